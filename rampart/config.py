@@ -1,0 +1,94 @@
+"""Rampart's settings, read once from ``RAMPART_*`` environment variables.
+
+Every limit and knob has one home here. ``Settings.from_env()`` reads each field
+from ``RAMPART_<FIELD NAME IN UPPER CASE>`` (for example ``RAMPART_MAX_BODY_BYTES``),
+validates it with pydantic and raises ``pydantic.ValidationError`` naming the bad
+value. BentoML starts the runners as child processes of ``bentoml serve``, so they
+inherit the same environment and see the same settings.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+ENV_PREFIX = "RAMPART_"
+
+
+class Settings(BaseModel):
+    """All of Rampart's configuration. Units are in each field's name."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # Models in the BentoML model store (written by `python -m models.import_models`).
+    primary_model: str = "rampart-primary:latest"
+    fallback_model: str = "rampart-fallback:latest"
+
+    # Upload and decode limits (checked from the header, before any pixel is decoded).
+    max_body_bytes: int = Field(20_000_000, gt=0)
+    max_pixels: int = Field(50_000_000, gt=0)
+    min_side_px: int = Field(16, ge=1)
+    max_aspect_ratio: float = Field(10.0, ge=1.0)
+    max_frames: int = Field(100, ge=1)
+    # Colour that transparent pixels are composited over (RGB, 0..255): white, like a browser page.
+    alpha_background: tuple[int, int, int] = (255, 255, 255)
+    # Resize so the crop covers the bucket times this margin, then centre-crop.
+    # 1.14 ~ 1/0.875, the crop ratio of the EfficientNet-Lite reference evaluation.
+    crop_margin: float = Field(1.14, ge=1.0, le=2.0)
+
+    # Decode pool: worker threads and how many uploads may wait for one.
+    decode_workers: int = Field(2, ge=1)
+    decode_queue: int = Field(32, ge=0)
+
+    # Deadlines (X-Deadline-Ms), end to end.
+    default_deadline_ms: int = Field(1000, gt=0)
+    max_deadline_ms: int = Field(60_000, gt=0)
+    # Part of every deadline kept back for the fallback when the primary is slow.
+    fallback_reserve_ms: int = Field(250, ge=0)
+
+    # Adaptive batching (BentoML), per model.
+    primary_max_batch_size: int = Field(16, ge=2)
+    primary_max_latency_ms: int = Field(2000, gt=0)
+    fallback_max_batch_size: int = Field(32, ge=2)
+    fallback_max_latency_ms: int = Field(1000, gt=0)
+
+    # Batch API.
+    max_batch_images: int = Field(16, ge=1)
+
+    # Fault injection for drills and tests: off by default.
+    fault_primary_delay_ms: int = Field(0, ge=0)
+    fault_primary_error_rate: float = Field(0.0, ge=0.0, le=1.0)
+    fault_primary_hang: bool = False
+    fault_fallback_error_rate: float = Field(0.0, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _deadlines_consistent(self) -> "Settings":
+        if self.default_deadline_ms > self.max_deadline_ms:
+            raise ValueError(
+                f"default_deadline_ms={self.default_deadline_ms} exceeds max_deadline_ms={self.max_deadline_ms}"
+            )
+        return self
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
+        """Build settings from ``RAMPART_*`` variables (``os.environ`` by default).
+
+        Tuples are written comma-separated (``RAMPART_ALPHA_BACKGROUND=0,0,0``).
+        Raises ``pydantic.ValidationError`` for a malformed or out-of-range value.
+        """
+        environ = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for name, field in cls.model_fields.items():
+            raw = environ.get(ENV_PREFIX + name.upper())
+            if raw is None:
+                continue
+            values[name] = raw.split(",") if field.annotation == tuple[int, int, int] else raw
+        return cls.model_validate(values)
+
+
+@functools.cache
+def get_settings() -> Settings:
+    """The process-wide settings, read from the environment on first use."""
+    return Settings.from_env()

@@ -1,0 +1,162 @@
+"""Rampart's error tree: every answer that is not a result is one of these.
+
+::
+
+    RampartError                      (code, HTTP status, message)
+    ├── RequestError                  the client's problem: 4xx
+    │   ├── EmptyBody                 400 empty_body
+    │   ├── UndecodableImage          400 undecodable_image
+    │   ├── CorruptImage              400 corrupt_image
+    │   ├── PayloadTooLarge           413 payload_too_large
+    │   ├── ImageTooLarge             413 image_too_large
+    │   ├── UnsupportedFormat         415 unsupported_format
+    │   ├── ImageTooSmall             422 image_too_small
+    │   ├── AspectRatioOutOfRange     422 aspect_ratio_out_of_range
+    │   ├── TooManyFrames             422 too_many_frames
+    │   └── InvalidParameter          422 invalid_parameter
+    ├── Overloaded                    429 overloaded (with Retry-After)
+    └── InternalError                 500 internal_error (Rampart's own fault)
+
+The HTTP status lives on the class, so the service maps errors to responses in
+one place (``RampartError.to_body``) and a guard test checks every class.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+__all__ = [
+    "RampartError",
+    "RequestError",
+    "ImageError",
+    "EmptyBody",
+    "UndecodableImage",
+    "CorruptImage",
+    "PayloadTooLarge",
+    "ImageTooLarge",
+    "UnsupportedFormat",
+    "ImageTooSmall",
+    "AspectRatioOutOfRange",
+    "TooManyFrames",
+    "InvalidParameter",
+    "Overloaded",
+    "InternalError",
+    "ERROR_CLASSES",
+]
+
+
+class RampartError(Exception):
+    """Base class: ``code`` (stable, snake_case), ``status`` (HTTP) and a message."""
+
+    code: ClassVar[str] = "internal_error"
+    status: ClassVar[int] = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def to_body(self, request_id: str) -> dict:
+        """The JSON error body: ``{"error": {"code", "message", "request_id"}}``."""
+        return {"error": {"code": self.code, "message": self.message, "request_id": request_id}}
+
+
+class RequestError(RampartError):
+    """The request itself is wrong; retrying it unchanged will fail again."""
+
+    status = 400
+
+
+class ImageError(RequestError):
+    """The uploaded bytes are not an image Rampart can classify."""
+
+
+class EmptyBody(ImageError):
+    """The request carried no image bytes."""
+
+    code, status = "empty_body", 400
+
+
+class UndecodableImage(ImageError):
+    """The bytes start like a supported format but no decoder accepts them."""
+
+    code, status = "undecodable_image", 400
+
+
+class CorruptImage(ImageError):
+    """The header was read but the pixel data is truncated or corrupt."""
+
+    code, status = "corrupt_image", 400
+
+
+class PayloadTooLarge(ImageError):
+    """The body is larger than ``max_body_bytes``."""
+
+    code, status = "payload_too_large", 413
+
+
+class ImageTooLarge(ImageError):
+    """The header declares more than ``max_pixels`` pixels (a decompression bomb)."""
+
+    code, status = "image_too_large", 413
+
+
+class UnsupportedFormat(ImageError):
+    """The bytes are not one of the supported image formats."""
+
+    code, status = "unsupported_format", 415
+
+
+class ImageTooSmall(ImageError):
+    """A side is shorter than ``min_side_px``."""
+
+    code, status = "image_too_small", 422
+
+
+class AspectRatioOutOfRange(ImageError):
+    """The long side is more than ``max_aspect_ratio`` times the short side."""
+
+    code, status = "aspect_ratio_out_of_range", 422
+
+
+class TooManyFrames(ImageError):
+    """An animation or multipage file has more than ``max_frames`` frames."""
+
+    code, status = "too_many_frames", 422
+
+
+class InvalidParameter(RequestError):
+    """A query parameter, header or form field is malformed or out of range."""
+
+    code, status = "invalid_parameter", 422
+
+
+class Overloaded(RampartError):
+    """No capacity now; retry after ``retry_after_s`` seconds."""
+
+    code, status = "overloaded", 429
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class InternalError(RampartError):
+    """Rampart's own fault. No input may cause one."""
+
+    code, status = "internal_error", 500
+
+
+ERROR_CLASSES: tuple[type[RampartError], ...] = (
+    EmptyBody,
+    UndecodableImage,
+    CorruptImage,
+    PayloadTooLarge,
+    ImageTooLarge,
+    UnsupportedFormat,
+    ImageTooSmall,
+    AspectRatioOutOfRange,
+    TooManyFrames,
+    InvalidParameter,
+    Overloaded,
+    InternalError,
+)

@@ -1,0 +1,126 @@
+"""The bucketed, adaptive-batching API shared by both runner services.
+
+Each runner exposes one batchable BentoML API per size bucket (``square``,
+``landscape``, ``portrait``). BentoML keeps one adaptive-batching dispatcher per
+API, so a batch never mixes shapes; ``BucketedRunner.run_bucket`` asserts that
+anyway, drops items whose deadline has already passed before computing (a TTL
+drop, counted), stacks the rest into a uint8 N×H×W×3 array and calls the engine.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import bentoml
+import numpy as np
+from pydantic import Field
+
+
+from rampart.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
+from rampart.faults import FaultInjector
+
+__all__ = ["RunnerItem", "RunnerResult", "BucketedRunner", "bucket_apis"]
+
+
+class RunnerItem(bentoml.IODescriptor):
+    """One image for a runner: uint8 ``pixels`` (H×W×3) and an absolute ``deadline`` (``time.time()`` s)."""
+
+    pixels: np.ndarray
+    deadline: float
+    request_id: str = ""
+
+
+class RunnerResult(bentoml.IODescriptor):
+    """One answer: float32 ``probs`` (C,), or ``expired`` (and empty ``probs``) when TTL-dropped.
+
+    ``batch_size`` is how many live items shared the forward pass; ``inference_ms``
+    is its duration.
+    """
+
+    probs: np.ndarray = Field(default_factory=lambda: np.zeros(0, dtype=np.float32))
+    expired: bool = False
+    batch_size: int = 0
+    inference_ms: float = 0.0
+
+
+class BucketedRunner:
+    """Base of a runner service: engine, buckets, TTL drops and fault injection.
+
+    Subclasses set ``self.engine`` (with ``predict(uint8 N×H×W×3) -> float32 N×C``),
+    ``self.buckets``, ``self.faults`` and call ``self.warm_up()`` in ``__init__``.
+    """
+
+    engine: object
+    buckets: dict[str, Bucket]
+    faults: FaultInjector
+    max_batch_size: int
+
+    def setup(self, resolution: int, faults: FaultInjector, max_batch_size: int) -> None:
+        """Set buckets, faults and counters; call once from the subclass ``__init__``."""
+        self.buckets = buckets_for_resolution(resolution)
+        self.faults = faults
+        self.max_batch_size = max_batch_size
+        self.ttl_dropped = 0
+        self._lock = threading.Lock()
+        self._ready = False
+
+    def warm_up(self) -> None:
+        """Run every bucket at every power-of-two batch size up to ``max_batch_size``.
+
+        The first real request then never pays for kernel selection or allocation.
+        """
+        sizes = [1 << i for i in range(self.max_batch_size.bit_length()) if 1 << i <= self.max_batch_size]
+        for bucket in self.buckets.values():
+            for size in sizes:
+                self.engine.predict(np.zeros((size, *bucket.shape), dtype=np.uint8))
+        self._ready = True
+
+    def __is_ready__(self) -> bool:
+        return self._ready
+
+    def run_bucket(self, bucket_name: str, items: list[RunnerItem]) -> list[RunnerResult]:
+        """Compute one adaptive batch of ``bucket_name`` items; returns one result per item."""
+        bucket = self.buckets[bucket_name]
+        now = time.time()
+        live = [i for i, item in enumerate(items) if item.deadline > now]
+        results = [RunnerResult(expired=True) for _ in items]
+        with self._lock:
+            self.ttl_dropped += len(items) - len(live)
+        if not live:
+            return results
+        for i in live:
+            if items[i].pixels.shape != bucket.shape:
+                raise ValueError(
+                    f"bucket {bucket_name!r} expects {bucket.shape}, got {items[i].pixels.shape}: a batch never mixes shapes"
+                )
+        batch = np.stack([items[i].pixels for i in live]).astype(np.uint8, copy=False)
+        self.faults.before_batch()
+        start = time.perf_counter()
+        probs = self.engine.predict(batch)
+        inference_ms = (time.perf_counter() - start) * 1000.0
+        if probs.shape[0] != len(live):
+            raise RuntimeError(f"engine returned {probs.shape[0]} rows for a batch of {len(live)}")
+        for row, i in enumerate(live):
+            results[i] = RunnerResult(probs=probs[row], batch_size=len(live), inference_ms=inference_ms)
+        return results
+
+
+def bucket_apis(max_batch_size: int, max_latency_ms: int) -> tuple:
+    """One batchable ``bentoml.api`` per bucket name, each calling ``run_bucket``.
+
+    Use as ``square, landscape, portrait = bucket_apis(...)`` in a service class body.
+    """
+
+    def api_for(bucket_name: str):
+        def predict(self, items: list[RunnerItem]) -> list[RunnerResult]:
+            return self.run_bucket(bucket_name, items)
+
+        predict.__name__ = predict.__qualname__ = bucket_name
+        predict.__doc__ = f"Classify a batch of {bucket_name} images (adaptive batching)."
+        return bentoml.api(
+            predict, route=f"/{bucket_name}", batchable=True,
+            max_batch_size=max_batch_size, max_latency_ms=max_latency_ms,
+        )
+
+    return tuple(api_for(name) for name in BUCKET_NAMES)

@@ -1,0 +1,36 @@
+"""The fallback runner: an ONNX Runtime classifier (EfficientNet-Lite0 by default).
+
+``CUDAExecutionProvider`` when a GPU is present, ``CPUExecutionProvider``
+otherwise. One batchable API per size bucket; see ``runners.common``.
+"""
+
+from __future__ import annotations
+
+import bentoml
+
+from rampart.config import get_settings
+from rampart.faults import FaultInjector
+from runners.common import BucketedRunner, bucket_apis
+
+settings = get_settings()
+
+
+@bentoml.service(name="rampart_fallback", workers=1, threads=1, traffic={"timeout": settings.max_deadline_ms / 1000 + 10})
+class Fallback(BucketedRunner):
+    """EfficientNet-Lite0 in ONNX (or an imported ONNX model) behind adaptive batching."""
+
+    model = bentoml.models.BentoModel(settings.fallback_model)
+
+    square, landscape, portrait = bucket_apis(settings.fallback_max_batch_size, settings.fallback_max_latency_ms)
+
+    def __init__(self) -> None:
+        from runners.engines import OnnxClassifier
+
+        meta = self.model.info.metadata
+        self.engine = OnnxClassifier(self.model.path_of("model.onnx"), meta["mean"], meta["std"])
+        self.setup(
+            meta["resolution"],
+            FaultInjector(error_rate=settings.fault_fallback_error_rate),
+            settings.fallback_max_batch_size,
+        )
+        self.warm_up()

@@ -1,0 +1,45 @@
+"""The primary runner: a PyTorch classifier (EfficientNet-Lite2 by default).
+
+CUDA when ``torch.cuda.is_available()`` (channels_last, fp16 autocast), CPU
+otherwise. One batchable API per size bucket; see ``runners.common``.
+"""
+
+from __future__ import annotations
+
+import bentoml
+
+from rampart.config import get_settings
+from rampart.faults import FaultInjector
+from runners.common import BucketedRunner, bucket_apis
+
+settings = get_settings()
+
+
+@bentoml.service(name="rampart_primary", workers=1, threads=1, traffic={"timeout": settings.max_deadline_ms / 1000 + 10})
+class Primary(BucketedRunner):
+    """EfficientNet-Lite2 (or an imported PyTorch model) behind adaptive batching."""
+
+    model = bentoml.models.BentoModel(settings.primary_model)
+
+    square, landscape, portrait = bucket_apis(settings.primary_max_batch_size, settings.primary_max_latency_ms)
+
+    def __init__(self) -> None:
+        import torch
+
+        from models.architectures import create_architecture
+        from runners.engines import TorchClassifier
+
+        meta = self.model.info.metadata
+        module = create_architecture(meta["family"], meta["arch"], num_classes=len(meta["labels"]))
+        module.load_state_dict(torch.load(self.model.path_of("weights.pt"), map_location="cpu", weights_only=True))
+        self.engine = TorchClassifier(module, meta["mean"], meta["std"])
+        self.setup(
+            meta["resolution"],
+            FaultInjector(
+                delay_ms=settings.fault_primary_delay_ms,
+                error_rate=settings.fault_primary_error_rate,
+                hang=settings.fault_primary_hang,
+            ),
+            settings.primary_max_batch_size,
+        )
+        self.warm_up()

@@ -1,0 +1,169 @@
+"""Rampart's entry service: the HTTP API in front of the two runners.
+
+``bentoml serve`` starts this service plus one process per runner
+(``runners.primary.Primary``, ``runners.fallback.Fallback``), wired in with
+``bentoml.depends``. The HTTP routes are a small Starlette app mounted on the
+service, so Rampart controls body reading (byte cap while streaming), error
+bodies and status codes exactly; BentoML's own ``/readyz``, ``/livez`` and
+``/metrics`` stay as they are. The pipeline itself is ``rampart.pipeline``.
+
+Routes:
+- ``POST /classify``: a raw image body or multipart field ``image``.
+- ``POST /classify_batch``: multipart, field ``images`` repeated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import bentoml
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from rampart import http
+from rampart.buckets import buckets_for_resolution
+from rampart.config import get_settings
+from rampart.errors import InternalError, InvalidParameter, RampartError
+from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer
+from rampart.pool import BoundedPool
+from runners.common import RunnerItem
+from runners.fallback import Fallback
+from runners.primary import Primary
+
+logger = logging.getLogger("rampart.service")
+settings = get_settings()
+
+
+def model_endpoint(tag: str, runner) -> ModelEndpoint:
+    """A ``ModelEndpoint`` for the runner dependency ``runner`` serving model ``tag``.
+
+    ``runner`` is a BentoML remote proxy under ``bentoml serve``, or the runner
+    instance itself when the service is built in-process.
+    """
+    stored = bentoml.models.get(tag)
+    meta = stored.info.metadata
+    remote = getattr(runner, "to_async", None)
+
+    async def call(bucket_name: str, pixels, deadline: float) -> RunnerAnswer:
+        items = [RunnerItem(pixels=pixels, deadline=deadline)]
+        if remote is not None:
+            (result,) = await getattr(remote, bucket_name)(items)
+        else:
+            (result,) = await asyncio.to_thread(getattr(runner, bucket_name), items)
+        if isinstance(result, dict):
+            result = result_model(result)
+        return RunnerAnswer(
+            probs=None if result.expired else result.probs,
+            inference_ms=result.inference_ms,
+            batch_size=result.batch_size,
+        )
+
+    return ModelEndpoint(
+        name=stored.tag.name,
+        version=stored.tag.version,
+        labels=list(meta["labels"]),
+        buckets=buckets_for_resolution(int(meta["resolution"])),
+        call=call,
+    )
+
+
+def result_model(raw: dict):
+    from runners.common import RunnerResult
+
+    return RunnerResult.model_validate(raw)
+
+
+async def classify(request: Request) -> JSONResponse:
+    """``POST /classify``: one image, raw body (format sniffed) or multipart field ``image``."""
+    request_id = http.request_id_of(request)
+    try:
+        top_k = http.parse_top_k(request)
+        deadline = http.parse_deadline(request, settings)
+        if http.is_multipart(request):
+            body = await http.read_body(request, settings.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
+            files = http.multipart_files(request, body, "image")
+            if len(files) > 1:
+                raise InvalidParameter("send one part named 'image'; use /classify_batch for several")
+            data = files[0][1]
+        else:
+            data = await http.read_body(request, settings.max_body_bytes)
+        result = await service().classifier.classify(data, top_k, deadline)
+    except RampartError as error:
+        return http.error_response(error, request_id)
+    except Exception:
+        logger.exception("unexpected failure for request %s", request_id)
+        return http.error_response(InternalError("an unexpected error occurred; see the server log"), request_id)
+    return JSONResponse({"request_id": request_id, **result}, headers={"X-Request-Id": request_id})
+
+
+async def classify_batch(request: Request) -> JSONResponse:
+    """``POST /classify_batch``: multipart field ``images`` repeated; one entry per image, in order."""
+    request_id = http.request_id_of(request)
+    try:
+        top_k = http.parse_top_k(request)
+        deadline = http.parse_deadline(request, settings)
+        if not http.is_multipart(request):
+            raise InvalidParameter("send multipart/form-data with one or more parts named 'images'")
+        limit = settings.max_batch_images * (settings.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
+        body = await http.read_body(request, limit)
+        files = http.multipart_files(request, body, "images")
+        if len(files) > settings.max_batch_images:
+            raise InvalidParameter(f"{len(files)} images sent; the limit is {settings.max_batch_images}")
+    except RampartError as error:
+        return http.error_response(error, request_id)
+    classifier = service().classifier
+
+    async def one(index: int, filename: str, data: bytes) -> dict:
+        entry = {"index": index, "filename": filename}
+        try:
+            return {**entry, **(await classifier.classify(data, top_k, deadline))}
+        except RampartError as error:
+            return {**entry, **error.to_body(request_id)}
+        except Exception:
+            logger.exception("unexpected failure for image %d of request %s", index, request_id)
+            return {**entry, **InternalError("an unexpected error occurred").to_body(request_id)}
+
+    results = await asyncio.gather(*(one(i, name, data) for i, (name, data) in enumerate(files)))
+    return JSONResponse({"request_id": request_id, "results": results}, headers={"X-Request-Id": request_id})
+
+
+def service() -> "Rampart":
+    """The running ``Rampart`` instance of this worker."""
+    return bentoml.get_current_service()
+
+
+http_app = Starlette(
+    routes=[
+        Route("/classify", classify, methods=["POST"]),
+        Route("/classify_batch", classify_batch, methods=["POST"]),
+    ]
+)
+
+
+@bentoml.service(name="rampart", workers=1, traffic={"timeout": settings.max_deadline_ms / 1000 + 10})
+@bentoml.asgi_app(http_app, path="/")
+class Rampart:
+    """Image classification that degrades honestly under overload; see README."""
+
+    primary = bentoml.depends(Primary)
+    fallback = bentoml.depends(Fallback)
+
+    def __init__(self) -> None:
+        self.classifier = Classifier(
+            settings,
+            model_endpoint(settings.primary_model, self.primary),
+            model_endpoint(settings.fallback_model, self.fallback),
+            BoundedPool(settings.decode_workers, settings.decode_queue),
+        )
+        self._ready = False
+
+    async def __is_ready__(self) -> bool:
+        """Ready once both runners have finished warm-up."""
+        if not self._ready:
+            checks = [getattr(runner, "is_ready", None) for runner in (self.primary, self.fallback)]
+            results = [await check() if check else True for check in checks]
+            self._ready = all(results)
+        return self._ready
