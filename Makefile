@@ -1,0 +1,32 @@
+# Rampart: `make serve` and `make test` both set up .venv and the model store first.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+PORT ?= 3000
+
+.PHONY: setup models serve test bench build clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt requirements-dev.txt constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-dev.txt -c constraints.txt
+	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	touch $@
+
+# Idempotent: models already in the BentoML store are skipped.
+models: setup
+	$(PY) -m models.import_models
+
+serve: models
+	$(VENV)/bin/bentoml serve service:Rampart --host 127.0.0.1 --port $(PORT)
+
+test: models
+	$(PY) -m pytest -q tests
+
+build: models
+	$(VENV)/bin/bentoml build
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

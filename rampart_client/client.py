@@ -1,0 +1,191 @@
+"""Rampart's Python client: ``Client`` (sync) and ``AsyncClient`` (asyncio), over httpx.
+
+>>> from rampart_client import Client
+>>> with Client("http://127.0.0.1:3000") as client:
+...     prediction = client.classify("cat.jpg", top_k=3, deadline_ms=800)
+...     print(prediction.top.label, prediction.degraded)
+
+Both share the request building and response parsing below; only the
+transport differs.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Union
+
+import httpx
+from pydantic import ValidationError
+
+from .errors import ImageRejected, Overloaded, RampartClientError, ServiceError
+from .models import Prediction
+
+__all__ = ["Client", "AsyncClient", "ImageInput"]
+
+#: A path, raw encoded bytes, or a ``PIL.Image.Image`` (sent as PNG).
+ImageInput = Union[str, os.PathLike, bytes, "PIL.Image.Image"]  # noqa: F821
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+def image_bytes(image: ImageInput) -> bytes:
+    """The encoded bytes of ``image``; a PIL image is encoded losslessly as PNG."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    if isinstance(image, (str, os.PathLike)):
+        return Path(image).read_bytes()
+    if hasattr(image, "save"):
+        buffer = io.BytesIO()
+        image.save(buffer, format="PNG")
+        return buffer.getvalue()
+    raise TypeError(f"expected a path, bytes or a PIL image, got {type(image).__name__}")
+
+
+def _headers(deadline_ms: float | None, request_id: str | None) -> dict[str, str]:
+    headers = {"Content-Type": "application/octet-stream"}
+    if deadline_ms is not None:
+        headers["X-Deadline-Ms"] = str(deadline_ms)
+    if request_id is not None:
+        headers["X-Request-Id"] = request_id
+    return headers
+
+
+def _batch_files(images: list[ImageInput]) -> list[tuple[str, tuple[str, bytes, str]]]:
+    return [("images", (f"image{i}", image_bytes(img), "application/octet-stream")) for i, img in enumerate(images)]
+
+
+def error_from_body(status: int | None, body: dict, headers: httpx.Headers | None = None) -> RampartClientError:
+    """The client error for an error body ``{"error": {"code", "message", "request_id"}}``."""
+    error = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(error, dict):
+        return ServiceError(f"HTTP {status}: {str(body)[:200]}", status=status)
+    fields = {"status": status, "code": str(error.get("code", "")), "request_id": str(error.get("request_id", ""))}
+    message = str(error.get("message", ""))
+    if status == 429:
+        retry_after = float((headers or {}).get("retry-after", "1") or 1)
+        return Overloaded(message, retry_after=retry_after, **fields)
+    if status is not None and 400 <= status < 500:
+        return ImageRejected(message, **fields)
+    return ServiceError(message, **fields)
+
+
+def _json(response: httpx.Response) -> dict:
+    try:
+        return response.json()
+    except ValueError:
+        raise ServiceError(f"HTTP {response.status_code}: not JSON: {response.text[:200]!r}", status=response.status_code) from None
+
+
+def parse_prediction(response: httpx.Response) -> Prediction:
+    """A ``Prediction`` from a ``/classify`` response; raises a ``RampartClientError`` otherwise."""
+    body = _json(response)
+    if response.status_code != 200:
+        raise error_from_body(response.status_code, body, response.headers)
+    try:
+        return Prediction.model_validate(body)
+    except ValidationError as exc:
+        raise ServiceError(f"unexpected response body: {exc}", status=200) from exc
+
+
+def parse_batch(response: httpx.Response) -> list[Prediction | RampartClientError]:
+    """One ``Prediction`` or error per image of a ``/classify_batch`` response, in order."""
+    body = _json(response)
+    if response.status_code != 200:
+        raise error_from_body(response.status_code, body, response.headers)
+    request_id = body.get("request_id", "")
+    out: list[Prediction | RampartClientError] = []
+    for entry in body.get("results", []):
+        if "error" in entry:
+            status = 429 if entry["error"].get("code") == "overloaded" else 400
+            out.append(error_from_body(status, entry))
+        else:
+            out.append(Prediction.model_validate({"request_id": request_id, **entry}))
+    return out
+
+
+def _transport_error(exc: httpx.HTTPError) -> ServiceError:
+    return ServiceError(f"{type(exc).__name__}: {exc}")
+
+
+class Client:
+    """A synchronous client for a Rampart server at ``url``; use as a context manager or ``close()``."""
+
+    def __init__(self, url: str = "http://127.0.0.1:3000", timeout: float = DEFAULT_TIMEOUT_S, **httpx_kwargs) -> None:
+        self._http = httpx.Client(base_url=url, timeout=timeout, **httpx_kwargs)
+
+    def classify(
+        self, image: ImageInput, top_k: int = 5, deadline_ms: float | None = None, request_id: str | None = None
+    ) -> Prediction:
+        """Classify one image. Raises ``ImageRejected``, ``Overloaded`` or ``ServiceError``."""
+        try:
+            response = self._http.post(
+                "/classify", content=image_bytes(image), params={"top_k": top_k}, headers=_headers(deadline_ms, request_id)
+            )
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc) from exc
+        return parse_prediction(response)
+
+    def classify_batch(
+        self, images: list[ImageInput], top_k: int = 5, deadline_ms: float | None = None
+    ) -> list[Prediction | RampartClientError]:
+        """Classify several images in one request; a refused image yields its error in place."""
+        headers = _headers(deadline_ms, None)
+        headers.pop("Content-Type")
+        try:
+            response = self._http.post("/classify_batch", files=_batch_files(images), params={"top_k": top_k}, headers=headers)
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc) from exc
+        return parse_batch(response)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The asyncio twin of ``Client``: same methods, awaited; use ``async with`` or ``aclose()``."""
+
+    def __init__(self, url: str = "http://127.0.0.1:3000", timeout: float = DEFAULT_TIMEOUT_S, **httpx_kwargs) -> None:
+        self._http = httpx.AsyncClient(base_url=url, timeout=timeout, **httpx_kwargs)
+
+    async def classify(
+        self, image: ImageInput, top_k: int = 5, deadline_ms: float | None = None, request_id: str | None = None
+    ) -> Prediction:
+        """Classify one image. Raises ``ImageRejected``, ``Overloaded`` or ``ServiceError``."""
+        try:
+            response = await self._http.post(
+                "/classify", content=image_bytes(image), params={"top_k": top_k}, headers=_headers(deadline_ms, request_id)
+            )
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc) from exc
+        return parse_prediction(response)
+
+    async def classify_batch(
+        self, images: list[ImageInput], top_k: int = 5, deadline_ms: float | None = None
+    ) -> list[Prediction | RampartClientError]:
+        """Classify several images in one request; a refused image yields its error in place."""
+        headers = _headers(deadline_ms, None)
+        headers.pop("Content-Type")
+        try:
+            response = await self._http.post(
+                "/classify_batch", files=_batch_files(images), params={"top_k": top_k}, headers=headers
+            )
+        except httpx.HTTPError as exc:
+            raise _transport_error(exc) from exc
+        return parse_batch(response)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc_info) -> None:
+        await self.aclose()

@@ -1,0 +1,40 @@
+"""Errors raised by the Rampart client.
+
+::
+
+    RampartClientError
+    ├── ImageRejected     a 4xx: the request or image was refused; ``code`` says why
+    ├── Overloaded        a 429: retry after ``retry_after`` seconds
+    └── ServiceError      anything else: 5xx, a broken connection, a timeout, a bad body
+"""
+
+from __future__ import annotations
+
+__all__ = ["RampartClientError", "ImageRejected", "Overloaded", "ServiceError"]
+
+
+class RampartClientError(Exception):
+    """Base class: ``status`` (HTTP, or None), ``code``, ``message``, ``request_id``."""
+
+    def __init__(self, message: str, *, status: int | None = None, code: str = "", request_id: str = "") -> None:
+        super().__init__(f"{code}: {message}" if code else message)
+        self.message = message
+        self.status = status
+        self.code = code
+        self.request_id = request_id
+
+
+class ImageRejected(RampartClientError):
+    """The server answered 4xx (not 429): fix the request; retrying it unchanged fails again."""
+
+
+class Overloaded(RampartClientError):
+    """The server answered 429; ``retry_after`` is the Retry-After header in seconds."""
+
+    def __init__(self, message: str, *, retry_after: float, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.retry_after = retry_after
+
+
+class ServiceError(RampartClientError):
+    """A 5xx, a transport failure or an unreadable response."""

@@ -1,0 +1,54 @@
+"""Response models of the Rampart API (pydantic)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel
+
+__all__ = ["Label", "ModelInfo", "Timings", "Prediction"]
+
+
+class Label(BaseModel):
+    """One class: ImageNet-1k ``index``, human ``label`` and probability ``score`` (0..1)."""
+
+    index: int
+    label: str
+    score: float
+
+
+class ModelInfo(BaseModel):
+    """The model that answered: store ``name`` and ``version``."""
+
+    name: str
+    version: str
+
+
+class Timings(BaseModel):
+    """Stage timings in milliseconds, measured by the server."""
+
+    decode: float
+    queue: float
+    inference: float
+    total: float
+
+
+class Prediction(BaseModel):
+    """A ``200`` answer of ``/classify``.
+
+    ``labels`` are sorted by score, highest first. ``degraded`` is true when the
+    fallback (or the static default) answered, and ``degraded_reason`` says why;
+    ``needs_review`` is true when no model could answer (``labels`` is then empty).
+    """
+
+    request_id: str
+    labels: list[Label]
+    model: ModelInfo | None
+    degraded: bool
+    degraded_reason: str | None
+    needs_review: bool = False
+    bucket: str | None = None
+    timings_ms: Timings
+
+    @property
+    def top(self) -> Label | None:
+        """The most probable label, or None for the static default answer."""
+        return self.labels[0] if self.labels else None
