@@ -38,9 +38,10 @@ class Settings(BaseModel):
     # 1.14 ~ 1/0.875, the crop ratio of the EfficientNet-Lite reference evaluation.
     crop_margin: float = Field(1.14, ge=1.0, le=2.0)
 
-    # Decode pool: worker threads and how many uploads may wait for one.
+    # Decode pool: worker threads and how many uploads may wait for one. Waiting uploads
+    # hold only their compressed bytes (already read); decoded pixels exist only in workers.
     decode_workers: int = Field(2, ge=1)
-    decode_queue: int = Field(32, ge=0)
+    decode_queue: int = Field(512, ge=0)
 
     # Deadlines (X-Deadline-Ms), end to end.
     default_deadline_ms: int = Field(1000, gt=0)
@@ -48,11 +49,13 @@ class Settings(BaseModel):
     # Part of every deadline kept back for the fallback when the primary is slow.
     fallback_reserve_ms: int = Field(250, ge=0)
 
-    # Adaptive batching (BentoML), per model.
+    # Adaptive batching (BentoML), per model. BentoML's dispatcher cancels (503) a request
+    # it predicts will exceed max_latency_ms; Rampart's own deadlines do the shedding, so
+    # the default is the longest deadline and the dispatcher never sheds first.
     primary_max_batch_size: int = Field(16, ge=2)
-    primary_max_latency_ms: int = Field(2000, gt=0)
+    primary_max_latency_ms: int = Field(60_000, gt=0)
     fallback_max_batch_size: int = Field(32, ge=2)
-    fallback_max_latency_ms: int = Field(1000, gt=0)
+    fallback_max_latency_ms: int = Field(60_000, gt=0)
 
     # Batch API.
     max_batch_images: int = Field(16, ge=1)

@@ -1,0 +1,54 @@
+"""400 requests in flight at once: all answered, no 5xx, real adaptive batches.
+
+This is also the regression test for the BentoML dependency-proxy defect of
+1.4.30-1.4.40 (see README, "Why BentoML 1.4.29").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import httpx
+
+from tests.conftest import PHOTOS, encode, photo
+
+IN_FLIGHT = 400
+
+
+def batch_size_counts(metrics: str, service: str) -> dict[float, float]:
+    """Cumulative ``bentoml_service_adaptive_batch_size`` bucket counts of ``service``."""
+    counts: dict[float, float] = {}
+    pattern = re.compile(r'^bentoml_service_adaptive_batch_size_bucket\{(?P<labels>[^}]*)\} (?P<value>\S+)$')
+    for line in metrics.splitlines():
+        match = pattern.match(line)
+        if match and f'runner_name="{service}"' in match["labels"]:
+            le = re.search(r'le="([^"]+)"', match["labels"]).group(1)
+            counts[float(le)] = counts.get(float(le), 0.0) + float(match["value"])
+    return counts
+
+
+def test_400_in_flight_all_answered_with_batching(server):
+    images = [(name, encode(photo(name))) for name in sorted(PHOTOS)]
+
+    async def drive() -> list[tuple[str, httpx.Response]]:
+        limits = httpx.Limits(max_connections=IN_FLIGHT, max_keepalive_connections=IN_FLIGHT)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as client:
+            async def one(i: int):
+                name, body = images[i % len(images)]
+                return name, await client.post("/classify", content=body, headers={"X-Deadline-Ms": "60000"})
+
+            return await asyncio.gather(*(one(i) for i in range(IN_FLIGHT)))
+
+    responses = asyncio.run(drive())
+    statuses = [response.status_code for _, response in responses]
+    assert statuses.count(200) == IN_FLIGHT, {s: statuses.count(s) for s in set(statuses)}
+    for name, response in responses:
+        result = response.json()
+        assert {label["index"] for label in result["labels"][:3]} & PHOTOS[name], (name, result)
+
+    metrics = httpx.get(f"{server.url}/metrics").text
+    counts = batch_size_counts(metrics, "rampart_primary")
+    assert counts, "no adaptive batch-size samples for the primary"
+    total, size_one = max(counts.values()), counts.get(1.0, 0.0)
+    assert total > size_one, f"every primary batch had size 1: {counts}"
