@@ -1,0 +1,155 @@
+"""``rampart.decoding`` on inputs each test builds itself: real photos and hostile bytes."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zlib
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from rampart import errors
+from rampart.decoding import DecodeLimits, decode_image, sniff_format
+from tests.conftest import encode, photo
+
+LIMITS = DecodeLimits(
+    max_body_bytes=20_000_000, max_pixels=50_000_000, min_side_px=16, max_aspect_ratio=10.0,
+    max_frames=100, min_decoded_side=692,
+)
+
+
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+
+def png_bomb(width: int = 100_000, height: int = 100_000) -> bytes:
+    """An 8-bit grayscale PNG whose IHDR claims width×height, with one compressed row."""
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    idat = zlib.compress(b"\x00" + b"\x00" * width, 9)
+    return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", ihdr) + png_chunk(b"IDAT", idat) + png_chunk(b"IEND", b"")
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF"])
+def test_every_supported_format_decodes_to_rgb(fmt):
+    decoded = decode_image(encode(photo("chelsea"), fmt), LIMITS)
+    assert decoded.format == fmt and decoded.image.mode == "RGB" and decoded.declared_size == (451, 300)
+
+
+def test_png_bomb_is_refused_from_the_header():
+    bomb = png_bomb()
+    assert len(bomb) < 200
+    with pytest.raises(errors.ImageTooLarge):
+        decode_image(bomb, LIMITS)
+
+
+def test_pillow_warning_zone_does_not_slip_through():
+    # Between Pillow's MAX_IMAGE_PIXELS and 2x it, Pillow only warns; Rampart's cap decides.
+    side = int((Image.MAX_IMAGE_PIXELS * 1.5) ** 0.5)
+    with pytest.raises(errors.ImageTooLarge):
+        decode_image(png_bomb(side, side), LIMITS)
+
+
+def test_gif_declaring_a_huge_screen_is_refused():
+    gif = bytearray(encode(np.zeros((32, 32, 3), np.uint8), "GIF"))
+    gif[6:10] = struct.pack("<HH", 65535, 65535)  # logical screen size
+    with pytest.raises(errors.ImageTooLarge):
+        decode_image(bytes(gif), LIMITS)
+
+
+def test_truncated_jpeg_is_corrupt_image():
+    jpeg = encode(photo("rocket"))
+    with pytest.raises(errors.CorruptImage):
+        decode_image(jpeg[: int(len(jpeg) * 0.6)], LIMITS)
+
+
+@pytest.mark.parametrize(
+    "body, error",
+    [
+        (b"", errors.EmptyBody),
+        (b"sixteen bytes!!!", errors.UnsupportedFormat),
+        (b"%PDF-1.7\n%\xe2\xe3\xcf\xd3\n1 0 obj\n<<>>\nendobj\n", errors.UnsupportedFormat),
+        (b"\x00\x00\x00\x18ftypmp42\x00\x00\x00\x00mp42isom", errors.UnsupportedFormat),
+        (b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic", errors.UnsupportedFormat),
+    ],
+)
+def test_not_an_image(body, error):
+    with pytest.raises(error):
+        decode_image(body, LIMITS)
+
+
+def test_unsupported_format_message_lists_supported_formats():
+    with pytest.raises(errors.UnsupportedFormat, match="JPEG, PNG, GIF, WEBP, BMP, TIFF"):
+        sniff_format(b"\x00\x00\x00\x18ftypheic")
+
+
+def test_body_over_the_byte_cap_is_413():
+    limits = DecodeLimits(**{**LIMITS.__dict__, "max_body_bytes": 1000})
+    with pytest.raises(errors.PayloadTooLarge):
+        decode_image(encode(photo("chelsea")), limits)
+
+
+@pytest.mark.parametrize("size, error", [((2, 2), errors.ImageTooSmall), ((3000, 2), errors.ImageTooSmall),
+                                         ((2000, 100), errors.AspectRatioOutOfRange), ((100, 2000), errors.AspectRatioOutOfRange)])
+def test_tiny_and_extreme_aspect_images_are_422(size, error):
+    with pytest.raises(error) as raised:
+        decode_image(encode(Image.new("RGB", size, "gray"), "PNG"), LIMITS)
+    assert raised.value.status == 422
+
+
+def test_transparent_pixels_are_composited_over_white():
+    rgba = Image.new("RGBA", (64, 64), (255, 0, 0, 0))
+    decoded = decode_image(encode(rgba, "PNG"), LIMITS)
+    assert decoded.image.getpixel((10, 10)) == (255, 255, 255)
+
+
+def test_palette_with_trns_is_composited():
+    pal = Image.new("P", (64, 64), 0)
+    pal.putpalette([0, 0, 0, 10, 200, 10] + [0] * 762)
+    pal.info["transparency"] = 0
+    decoded = decode_image(encode(pal, "PNG", transparency=0), LIMITS)
+    assert decoded.image.getpixel((5, 5)) == (255, 255, 255)
+
+
+def test_16_bit_png_is_scaled_not_clipped():
+    gradient = np.tile(np.linspace(0, 65535, 256).astype(np.uint16), (32, 1))
+    decoded = decode_image(encode(Image.fromarray(gradient), "PNG"), LIMITS)
+    row = np.asarray(decoded.image)[0, :, 0]
+    assert row[0] == 0 and row[-1] == 255 and 120 <= row[128] <= 135
+
+
+@pytest.mark.parametrize("mode", ["L", "1", "P", "LA", "CMYK", "I", "F"])
+def test_every_mode_becomes_rgb(mode):
+    image = Image.fromarray(photo("coffee")).convert(mode)
+    fmt = "TIFF" if mode in ("I", "F") else ("JPEG" if mode == "CMYK" else "PNG")
+    assert decode_image(encode(image, fmt), LIMITS).image.mode == "RGB"
+
+
+@pytest.mark.parametrize("orientation, undo", [(3, Image.Transpose.ROTATE_180), (6, Image.Transpose.ROTATE_90),
+                                               (8, Image.Transpose.ROTATE_270)])
+def test_exif_orientation_restores_the_upright_photo(orientation, undo):
+    upright = Image.fromarray(photo("chelsea"))
+    stored = upright.transpose(undo)
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    decoded = decode_image(encode(stored, "PNG", exif=exif.tobytes()), LIMITS)
+    assert decoded.image.size == upright.size
+    assert np.abs(np.asarray(decoded.image, np.int16) - np.asarray(upright, np.int16)).mean() < 1
+
+
+def test_large_jpeg_is_draft_decoded_not_full_size():
+    big = Image.fromarray(photo("rocket")).resize((7680, 4320))
+    decoded = decode_image(encode(big, quality=80), LIMITS)
+    assert decoded.declared_size == (7680, 4320)
+    assert min(decoded.image.size) >= LIMITS.min_decoded_side // 2 and max(decoded.image.size) <= 7680 // 2
+
+
+def test_animated_gif_uses_the_first_frame_and_caps_frames():
+    frames = [Image.new("RGB", (32, 32), (i, 0, 0)) for i in range(0, 250, 50)]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, "GIF", save_all=True, append_images=frames[1:])
+    decoded = decode_image(buffer.getvalue(), LIMITS)
+    assert decoded.image.getpixel((0, 0))[0] < 10
+    with pytest.raises(errors.TooManyFrames):
+        decode_image(buffer.getvalue(), DecodeLimits(**{**LIMITS.__dict__, "max_frames": 3}))

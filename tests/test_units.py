@@ -1,0 +1,63 @@
+"""Plain-Python parts: buckets, top-k, errors, settings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pydantic
+import pytest
+from PIL import Image
+
+from rampart import errors
+from rampart.buckets import buckets_for_resolution, choose_bucket, fit_to_bucket
+from rampart.config import Settings
+from rampart.results import softmax, top_labels
+from tests.conftest import ROOT
+
+
+def test_default_buckets_match_the_documented_shapes():
+    assert {n: (b.height, b.width) for n, b in buckets_for_resolution(260).items()} == {
+        "square": (260, 260), "landscape": (260, 346), "portrait": (346, 260)}
+    assert {n: (b.height, b.width) for n, b in buckets_for_resolution(224).items()} == {
+        "square": (224, 224), "landscape": (224, 298), "portrait": (298, 224)}
+
+
+@pytest.mark.parametrize("size, name", [((640, 427), "landscape"), ((427, 640), "portrait"), ((500, 520), "square"),
+                                        ((3000, 300), "landscape"), ((300, 3000), "portrait")])
+def test_nearest_aspect_bucket(size, name):
+    assert choose_bucket(*size, buckets_for_resolution(260)).name == name
+
+
+def test_fit_to_bucket_gives_exact_shape_and_dtype():
+    for bucket in buckets_for_resolution(260).values():
+        out = fit_to_bucket(Image.new("RGB", (3000, 300), "red"), bucket, 1.14)
+        assert out.shape == bucket.shape and out.dtype == np.uint8
+
+
+def test_top_labels_sorted_and_validated():
+    probs = softmax(np.array([[0.1, 3.0, 2.0, -1.0]]))[0]
+    assert abs(probs.sum() - 1) < 1e-6
+    out = top_labels(probs, ["a", "b", "c", "d"], 3)
+    assert [o["label"] for o in out] == ["b", "c", "a"]
+    with pytest.raises(ValueError):
+        top_labels(probs, ["a"], 1)
+
+
+def test_every_error_has_a_unique_code_and_a_proper_status():
+    codes = [cls.code for cls in errors.ERROR_CLASSES]
+    assert len(codes) == len(set(codes))
+    for cls in errors.ERROR_CLASSES:
+        if issubclass(cls, errors.RequestError):
+            assert 400 <= cls.status < 500 and cls.status != 429
+    assert errors.Overloaded.status == 429 and errors.InternalError.status == 500
+    readme = (ROOT / "README.md").read_text()
+    missing = [code for code in codes if f"`{code}`" not in readme]
+    assert not missing, f"error codes not documented in README: {missing}"
+
+
+def test_settings_from_env_validates_and_names_bad_values():
+    settings = Settings.from_env({"RAMPART_MAX_PIXELS": "1000", "RAMPART_ALPHA_BACKGROUND": "0,0,0"})
+    assert settings.max_pixels == 1000 and settings.alpha_background == (0, 0, 0)
+    with pytest.raises(pydantic.ValidationError, match="max_pixels"):
+        Settings.from_env({"RAMPART_MAX_PIXELS": "-1"})
+    with pytest.raises(pydantic.ValidationError):
+        Settings.from_env({"RAMPART_DEFAULT_DEADLINE_MS": "90000", "RAMPART_MAX_DEADLINE_MS": "1000"})
