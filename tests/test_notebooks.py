@@ -1,0 +1,20 @@
+"""The notebooks run end to end against a real server, so they cannot rot."""
+
+from __future__ import annotations
+
+import os
+
+import nbformat
+from nbclient import NotebookClient
+
+from tests.conftest import ROOT
+
+
+def test_quickstart_notebook_runs(server, monkeypatch):
+    monkeypatch.setenv("RAMPART_URL", server.url)
+    monkeypatch.setenv("MPLBACKEND", "Agg")
+    notebook = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
+    NotebookClient(notebook, timeout=120, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}).execute()
+    printed = "".join(o.get("text", "") for c in notebook.cells if c.cell_type == "code" for o in c.get("outputs", []))
+    assert "chelsea" in printed and "espresso" in printed
+    assert os.environ["RAMPART_URL"] == server.url
