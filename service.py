@@ -53,8 +53,6 @@ def model_endpoint(tag: str, runner) -> ModelEndpoint:
             (result,) = await getattr(remote, bucket_name)(items)
         else:
             (result,) = await asyncio.to_thread(getattr(runner, bucket_name), items)
-        if isinstance(result, dict):
-            result = result_model(result)
         return RunnerAnswer(
             probs=None if result.expired else result.probs,
             inference_ms=result.inference_ms,
@@ -68,12 +66,6 @@ def model_endpoint(tag: str, runner) -> ModelEndpoint:
         buckets=buckets_for_resolution(int(meta["resolution"])),
         call=call,
     )
-
-
-def result_model(raw: dict):
-    from runners.common import RunnerResult
-
-    return RunnerResult.model_validate(raw)
 
 
 async def classify(request: Request) -> JSONResponse:
@@ -164,6 +156,8 @@ class Rampart:
         """Ready once both runners have finished warm-up."""
         if not self._ready:
             checks = [getattr(runner, "is_ready", None) for runner in (self.primary, self.fallback)]
-            results = [await check() if check else True for check in checks]
-            self._ready = all(results)
+            try:
+                self._ready = all([await check() if check else True for check in checks])
+            except Exception as exc:  # a runner still starting refuses connections
+                logger.info("runners not ready yet: %s", exc)
         return self._ready

@@ -20,7 +20,7 @@ from pydantic import Field
 from rampart.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
 from rampart.faults import FaultInjector
 
-__all__ = ["RunnerItem", "RunnerResult", "BucketedRunner", "bucket_apis"]
+__all__ = ["RunnerItem", "RunnerResult", "BucketedRunner", "bucket_apis", "runner_service"]
 
 
 class RunnerItem(bentoml.IODescriptor):
@@ -104,6 +104,15 @@ class BucketedRunner:
         for row, i in enumerate(live):
             results[i] = RunnerResult(probs=probs[row], batch_size=len(live), inference_ms=inference_ms)
         return results
+
+
+def runner_service(name: str, timeout_s: float):
+    """The ``bentoml.service`` decorator of a runner: one worker, one inference thread.
+
+    One thread per worker bounds the concurrent batches per device to one; the three
+    bucket dispatchers queue behind it.
+    """
+    return bentoml.service(name=name, workers=1, threads=1, traffic={"timeout": timeout_s})
 
 
 def bucket_apis(max_batch_size: int, max_latency_ms: int) -> tuple:

@@ -10,12 +10,12 @@ import bentoml
 
 from rampart.config import get_settings
 from rampart.faults import FaultInjector
-from runners.common import BucketedRunner, bucket_apis
+from runners.common import BucketedRunner, bucket_apis, runner_service
 
 settings = get_settings()
 
 
-@bentoml.service(name="rampart_fallback", workers=1, threads=1, traffic={"timeout": settings.max_deadline_ms / 1000 + 10})
+@runner_service("rampart_fallback", timeout_s=settings.max_deadline_ms / 1000 + 10)
 class Fallback(BucketedRunner):
     """EfficientNet-Lite0 in ONNX (or an imported ONNX model) behind adaptive batching."""
 

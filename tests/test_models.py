@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import bentoml
 import onnx
@@ -32,3 +35,25 @@ def test_import_is_idempotent():
     out = subprocess.run([sys.executable, "-m", "models.import_models"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("already in the store, skipping") == 2, out.stderr
+
+
+def test_import_users_own_models_into_a_separate_store(tmp_path):
+    import torch
+    import torchvision
+
+    weights = tmp_path / "mobilenet.pth"
+    torch.save(torchvision.models.mobilenet_v3_small(weights=None).state_dict(), weights)
+    onnx_file = bentoml.models.get("rampart-fallback:latest").path_of("model.onnx")
+    env = {**os.environ, "BENTOML_HOME": str(tmp_path / "store")}
+    args = ["--primary-arch", "mobilenet_v3_small", "--primary-family", "torchvision", "--primary-weights", str(weights),
+            "--primary-resolution", "224", "--fallback-onnx", onnx_file, "--no-check"]
+    out = subprocess.run([sys.executable, "-m", "models.import_models", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    listed = subprocess.run([str(Path(sys.executable).with_name("bentoml")), "models", "list", "-o", "json"], env=env,
+                            capture_output=True, text=True, check=True).stdout
+    assert {entry["tag"].split(":")[0] for entry in json.loads(listed)} == {"rampart-primary", "rampart-fallback"}
+    code = ("import bentoml; m = bentoml.models.get('rampart-primary:latest').info.metadata; "
+            "print(m['family'], m['arch'], m['resolution'])")
+    shown = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert shown.split() == ["torchvision", "mobilenet_v3_small", "224"]
