@@ -1,0 +1,116 @@
+"""Bad uploads against a real server: clear 4xx, the workers unharmed, memory bounded."""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+
+import httpx
+import numpy as np
+import psutil
+import pytest
+from PIL import Image
+
+from tests.conftest import PHOTOS, encode, photo
+from tests.test_decoding import png_bomb
+
+
+def tiff_bomb() -> bytes:
+    """A little-endian TIFF whose IFD declares 100000×100000 8-bit grayscale."""
+    entries = [(256, 4, 1, 100_000), (257, 4, 1, 100_000), (258, 3, 1, 8), (259, 3, 1, 1), (262, 3, 1, 1),
+               (273, 4, 1, 8), (278, 4, 1, 100_000), (279, 4, 1, 16)]
+    ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHII", *e) for e in entries) + b"\x00" * 4
+    return b"II*\x00" + struct.pack("<I", 8 + 16) + b"\x00" * 16 + ifd
+
+
+def process_tree(pid: int) -> set[int]:
+    root = psutil.Process(pid)
+    return {root.pid, *(child.pid for child in root.children(recursive=True))}
+
+
+BAD_INPUTS = {
+    "png_bomb": (png_bomb(), 413, "image_too_large"),
+    "tiff_bomb": (tiff_bomb(), 413, "image_too_large"),
+    "truncated_jpeg": (encode(photo("rocket"))[:9000], 400, "corrupt_image"),
+    "text": (b"GET / HTTP/1.1\r\n", 415, "unsupported_format"),
+    "tiny": (encode(Image.new("RGB", (2, 2)), "PNG"), 422, "image_too_small"),
+    "sliver": (encode(Image.new("RGB", (3000, 20)), "PNG"), 422, "aspect_ratio_out_of_range"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_INPUTS))
+def test_bad_input_gets_its_code(http, name):
+    body, status, code = BAD_INPUTS[name]
+    response = http.post("/classify", content=body)
+    assert (response.status_code, response.json()["error"]["code"]) == (status, code), response.text
+
+
+def test_heic_named_png_in_multipart_is_415(http):
+    heic = b"\x00\x00\x00\x18ftypheic\x00\x00\x00\x00mif1heic" + os.urandom(200)
+    response = http.post("/classify", files={"image": ("photo.png", heic, "image/png")})
+    assert response.status_code == 415 and "HEIC" in response.json()["error"]["message"]
+
+
+def test_body_over_the_cap_is_413_while_streaming(http):
+    def chunks():  # chunked transfer: no Content-Length to refuse early
+        for _ in range(21):
+            yield b"\xff" * 1_000_000
+
+    try:
+        response = http.post("/classify", content=chunks())
+    except httpx.TransportError:
+        pytest.fail("the server should answer 413, not drop the connection")
+    assert response.status_code == 413 and response.json()["error"]["code"] == "payload_too_large"
+    declared = http.post("/classify", content=b"\xff" * 20_000_001)
+    assert declared.status_code == 413
+
+
+def test_malformed_exif_is_ignored_not_a_500(http):
+    bad_exif = b"Exif\x00\x00MM\x00*\x00\x00\x00\x08\xff\xff\x01\x12\x00\x03"
+    response = http.post("/classify", content=encode(photo("chelsea"), exif=bad_exif))
+    assert response.status_code == 200, response.text
+    assert {label["index"] for label in response.json()["labels"][:3]} & PHOTOS["chelsea"]
+
+
+@pytest.mark.parametrize("orientation, undo", [(3, Image.Transpose.ROTATE_180), (6, Image.Transpose.ROTATE_90),
+                                               (8, Image.Transpose.ROTATE_270)])
+def test_rotated_and_tagged_photo_predicts_like_the_upright_one(http, orientation, undo):
+    upright = Image.fromarray(photo("chelsea"))
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    tagged = encode(upright.transpose(undo), "PNG", exif=exif.tobytes())
+    expected = http.post("/classify", content=encode(upright, "PNG"), params={"top_k": 3}).json()["labels"]
+    got = http.post("/classify", content=tagged, params={"top_k": 3}).json()["labels"]
+    assert [label["index"] for label in got] == [label["index"] for label in expected]
+
+
+def test_8k_jpeg_is_classified(http):
+    big = Image.fromarray(photo("rocket")).resize((7680, 4320))
+    response = http.post("/classify", content=encode(big, quality=85))
+    assert response.status_code == 200
+
+
+def test_workers_survive_the_whole_bad_input_suite(server, http, mutated_bodies_for_pid_check):
+    before = process_tree(server.process.pid)
+    for body, _, _ in BAD_INPUTS.values():
+        assert http.post("/classify", content=body).status_code < 500
+    for body in mutated_bodies_for_pid_check:
+        assert http.post("/classify", content=body).status_code < 500
+    after = process_tree(server.process.pid)
+    assert before == after, "a worker process was restarted"
+    final = http.post("/classify", content=encode(photo("coffee")))
+    assert final.status_code == 200 and {label["index"] for label in final.json()["labels"][:3]} & PHOTOS["coffee"]
+
+
+@pytest.fixture
+def mutated_bodies_for_pid_check() -> list[bytes]:
+    rng = np.random.default_rng(7)
+    seed = bytearray(encode(photo("chelsea")))
+    bodies = []
+    for _ in range(20):
+        body = bytearray(seed)
+        for position in rng.integers(0, len(body), size=12):
+            body[position] = int(rng.integers(0, 256))
+        bodies.append(bytes(body[: int(rng.integers(100, len(body)))]))
+    return bodies
