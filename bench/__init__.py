@@ -1,0 +1,1 @@
+"""Benchmarks: each writes JSON (and a PNG plot) under ``bench_results/``."""
