@@ -30,10 +30,6 @@ class Deadline:
         """Seconds left before the deadline minus ``reserve_ms``; may be negative."""
         return (self.budget_ms - reserve_ms - self.elapsed_ms()) / 1000.0
 
-    def expired(self) -> bool:
-        """True once the whole budget is spent."""
-        return self.remaining_s() <= 0.0
-
     def wall_clock_at(self, reserve_ms: float = 0.0) -> float:
         """The ``time.time()`` instant of the deadline minus ``reserve_ms``, for other processes."""
         return self.start_wall + (self.budget_ms - reserve_ms) / 1000.0

@@ -31,11 +31,6 @@ class FaultInjector:
     hang: bool = False
     rng: random.Random = field(default_factory=random.Random)
 
-    @property
-    def active(self) -> bool:
-        """True when any fault is configured."""
-        return self.hang or self.delay_ms > 0 or self.error_rate > 0
-
     def before_batch(self) -> None:
         """Block or raise ``InjectedFault`` as configured; returns at once when inactive."""
         if self.hang:

@@ -29,11 +29,6 @@ class BoundedPool:
         self._lock = threading.Lock()
         self._pending = 0
 
-    @property
-    def pending(self) -> int:
-        """Jobs running or waiting now."""
-        return self._pending
-
     async def run(self, fn: Callable[..., T], *args: object) -> T:
         """Run ``fn(*args)`` on the pool; raises ``Overloaded`` when it is full.
 
