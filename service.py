@@ -74,6 +74,7 @@ async def classify(request: Request) -> JSONResponse:
     try:
         top_k = http.parse_top_k(request)
         deadline = http.parse_deadline(request, settings)
+        high = http.parse_priority(request)
         if http.is_multipart(request):
             body = await http.read_body(request, settings.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
             files = http.multipart_files(request, body, "image")
@@ -82,7 +83,7 @@ async def classify(request: Request) -> JSONResponse:
             data = files[0][1]
         else:
             data = await http.read_body(request, settings.max_body_bytes)
-        result = await service().classifier.classify(data, top_k, deadline)
+        result = await service().classifier.classify(data, top_k, deadline, high)
     except RampartError as error:
         return http.error_response(error, request_id)
     except Exception:
@@ -97,6 +98,7 @@ async def classify_batch(request: Request) -> JSONResponse:
     try:
         top_k = http.parse_top_k(request)
         deadline = http.parse_deadline(request, settings)
+        high = http.parse_priority(request)
         if not http.is_multipart(request):
             raise InvalidParameter("send multipart/form-data with one or more parts named 'images'")
         limit = settings.max_batch_images * (settings.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
@@ -111,7 +113,7 @@ async def classify_batch(request: Request) -> JSONResponse:
     async def one(index: int, filename: str, data: bytes) -> dict:
         entry = {"index": index, "filename": filename}
         try:
-            return {**entry, **(await classifier.classify(data, top_k, deadline))}
+            return {**entry, **(await classifier.classify(data, top_k, deadline, high))}
         except RampartError as error:
             return {**entry, **error.to_body(request_id)}
         except Exception:
@@ -120,6 +122,25 @@ async def classify_batch(request: Request) -> JSONResponse:
 
     results = await asyncio.gather(*(one(i, name, data) for i, (name, data) in enumerate(files)))
     return JSONResponse({"request_id": request_id, "results": results}, headers={"X-Request-Id": request_id})
+
+
+async def stats(request: Request) -> JSONResponse:
+    """``GET /stats``: admission queues, measured throughput, breaker state, runner counters."""
+    rampart = service()
+    body = rampart.classifier.state()
+    for role, runner in (("primary", rampart.primary), ("fallback", rampart.fallback)):
+        body[role]["runner"] = await runner_stats(runner)
+    return JSONResponse(body)
+
+
+async def runner_stats(runner) -> dict | None:
+    """A runner's ``stats`` API (warm-up speed, TTL drops), or None while it cannot answer."""
+    try:
+        remote = getattr(runner, "to_async", None)
+        return await remote.stats() if remote is not None else await runner.stats()
+    except Exception as exc:
+        logger.info("runner stats unavailable: %s", exc)
+        return None
 
 
 def service() -> "Rampart":
@@ -131,6 +152,7 @@ http_app = Starlette(
     routes=[
         Route("/classify", classify, methods=["POST"]),
         Route("/classify_batch", classify_batch, methods=["POST"]),
+        Route("/stats", stats, methods=["GET"]),
     ]
 )
 
@@ -153,11 +175,16 @@ class Rampart:
         self._ready = False
 
     async def __is_ready__(self) -> bool:
-        """Ready once both runners have finished warm-up."""
+        """Ready once both runners have finished warm-up; their warm-up speed seeds the throughput meters."""
         if not self._ready:
             checks = [getattr(runner, "is_ready", None) for runner in (self.primary, self.fallback)]
             try:
                 self._ready = all([await check() if check else True for check in checks])
             except Exception as exc:  # a runner still starting refuses connections
                 logger.info("runners not ready yet: %s", exc)
+            if self._ready:
+                for lane, runner in ((self.classifier.primary, self.primary), (self.classifier.fallback, self.fallback)):
+                    counters = await runner_stats(runner)
+                    if counters:
+                        lane.gate.meter.seed(counters["warmup_ms_per_image"])
         return self._ready

@@ -42,6 +42,8 @@ class Settings(BaseModel):
     # hold only their compressed bytes (already read); decoded pixels exist only in workers.
     decode_workers: int = Field(2, ge=1)
     decode_queue: int = Field(512, ge=0)
+    # Longest one decode may run before the upload is refused (422 decode_timeout).
+    decode_timeout_ms: int = Field(3000, gt=0)
 
     # Deadlines (X-Deadline-Ms), end to end.
     default_deadline_ms: int = Field(1000, gt=0)
@@ -57,6 +59,30 @@ class Settings(BaseModel):
     fallback_max_batch_size: int = Field(32, ge=2)
     fallback_max_latency_ms: int = Field(60_000, gt=0)
 
+    # GPU safety and admission control, per model (see rampart.admission). Concurrent
+    # batches per device = runner threads; images dispatched at once =
+    # (concurrent_batches + 1) x max_batch_size; the wait queue holds throughput x
+    # queue_delay_ms images. Throughput is measured (warm-up, then every batch)
+    # unless *_throughput_ips > 0 fixes it.
+    primary_concurrent_batches: int = Field(1, ge=1)
+    fallback_concurrent_batches: int = Field(1, ge=1)
+    primary_queue_delay_ms: int = Field(200, gt=0)
+    fallback_queue_delay_ms: int = Field(200, gt=0)
+    primary_throughput_ips: float = Field(0.0, ge=0.0)
+    fallback_throughput_ips: float = Field(0.0, ge=0.0)
+    # Share of the GPU's memory the primary may allocate (torch.cuda.set_per_process_memory_fraction).
+    gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
+
+    # Circuit breaker on the primary (see rampart.breaker).
+    breaker_window_ms: int = Field(10_000, gt=0)
+    breaker_min_calls: int = Field(10, ge=1)
+    breaker_failure_rate: float = Field(0.5, gt=0.0, le=1.0)
+    breaker_open_ms: int = Field(5_000, gt=0)
+    breaker_probes: int = Field(3, ge=1)
+
+    # Content-hash LRU cache of answers, used when both models fail; 0 turns it off.
+    cache_size: int = Field(1024, ge=0)
+
     # Batch API.
     max_batch_images: int = Field(16, ge=1)
 
@@ -65,6 +91,9 @@ class Settings(BaseModel):
     fault_primary_error_rate: float = Field(0.0, ge=0.0, le=1.0)
     fault_primary_hang: bool = False
     fault_fallback_error_rate: float = Field(0.0, ge=0.0, le=1.0)
+    # A JSON file of fault_* keys, re-read while the server runs, that overrides the
+    # fault_* settings above: drills can start and stop a fault without a restart.
+    fault_file: str = ""
 
     @model_validator(mode="after")
     def _deadlines_consistent(self) -> "Settings":

@@ -13,6 +13,7 @@
     │   ├── ImageTooSmall             422 image_too_small
     │   ├── AspectRatioOutOfRange     422 aspect_ratio_out_of_range
     │   ├── TooManyFrames             422 too_many_frames
+    │   ├── DecodeTimeout             422 decode_timeout
     │   └── InvalidParameter          422 invalid_parameter
     ├── Overloaded                    429 overloaded (with Retry-After)
     └── InternalError                 500 internal_error (Rampart's own fault)
@@ -38,6 +39,7 @@ __all__ = [
     "ImageTooSmall",
     "AspectRatioOutOfRange",
     "TooManyFrames",
+    "DecodeTimeout",
     "InvalidParameter",
     "Overloaded",
     "InternalError",
@@ -124,6 +126,12 @@ class TooManyFrames(ImageError):
     code, status = "too_many_frames", 422
 
 
+class DecodeTimeout(ImageError):
+    """Decoding one upload took longer than ``decode_timeout_ms``."""
+
+    code, status = "decode_timeout", 422
+
+
 class InvalidParameter(RequestError):
     """A query parameter, header or form field is malformed or out of range."""
 
@@ -156,6 +164,7 @@ ERROR_CLASSES: tuple[type[RampartError], ...] = (
     ImageTooSmall,
     AspectRatioOutOfRange,
     TooManyFrames,
+    DecodeTimeout,
     InvalidParameter,
     Overloaded,
     InternalError,

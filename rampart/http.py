@@ -17,17 +17,18 @@ from starlette.responses import JSONResponse
 from .config import Settings
 from .deadline import Deadline
 from .errors import EmptyBody, InvalidParameter, Overloaded, PayloadTooLarge, RampartError
+from .results import MAX_TOP_K
 
 __all__ = [
     "request_id_of",
     "parse_top_k",
     "parse_deadline",
+    "parse_priority",
     "read_body",
     "multipart_files",
     "error_response",
 ]
 
-MAX_TOP_K = 20
 #: Room for multipart boundaries and part headers on top of the image byte cap.
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -63,6 +64,14 @@ def parse_deadline(request: Request, settings: Settings) -> Deadline:
     if not budget > 0 or budget != budget or budget == float("inf"):
         raise InvalidParameter(f"X-Deadline-Ms must be positive and finite, got {raw[:32]!r}")
     return Deadline(min(budget, settings.max_deadline_ms))
+
+
+def parse_priority(request: Request) -> bool:
+    """``X-Priority``: ``high`` or ``normal`` (default), any case; True for high, else ``InvalidParameter``."""
+    raw = request.headers.get("x-priority", "normal").strip().lower()
+    if raw not in ("high", "normal"):
+        raise InvalidParameter(f"X-Priority must be 'high' or 'normal', got {raw[:32]!r}")
+    return raw == "high"
 
 
 async def read_body(request: Request, limit: int) -> bytes:

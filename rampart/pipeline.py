@@ -1,16 +1,22 @@
-"""The request pipeline: decode → primary → fallback → static answer, within one deadline.
+"""The request pipeline: decode → primary → fallback → cache → static answer, within one deadline.
 
 ``Classifier.classify`` is plain asyncio. It talks to the models through
 ``ModelEndpoint.call`` coroutines, so the same code runs against BentoML runner
 proxies in the service and against stand-ins in unit tests. The deadline
 (``X-Deadline-Ms``) covers everything:
 
-- decoding and resizing run on a ``BoundedPool`` (429 when it is full);
-- the primary gets the deadline minus ``fallback_reserve_ms``; if it raises, has
-  not answered by then, or its runner TTL-dropped the item, the fallback gets
-  what is left (``degraded_reason`` ``primary_error`` / ``primary_timeout``);
-- if the fallback fails too, the answer is the static default: no labels,
-  ``degraded_reason`` ``no_model_available`` and ``needs_review`` true.
+- decoding and resizing run on a ``BoundedPool``: 429 when it is full or no
+  decoder frees up before the deadline, 422 ``decode_timeout`` when one decode
+  runs past ``decode_timeout_ms``;
+- the primary is skipped while its circuit breaker is open (``primary_circuit_open``)
+  or when its admission gate sheds the request (``primary_overloaded``); otherwise
+  it gets the deadline minus ``fallback_reserve_ms``, and an error, a timeout or a
+  runner TTL drop hands the request on (``primary_error`` / ``primary_timeout``);
+- the fallback gets what is left of the deadline, behind its own gate;
+- if the fallback cannot answer either, an earlier answer for the same bytes is
+  used (``cached_result``), else the static default: no labels,
+  ``no_model_available`` and ``needs_review`` true. If both gates shed the request
+  and nothing is cached, the answer is 429 ``overloaded`` with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -23,12 +29,16 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
+from .admission import AdmissionGate, Shed, ThroughputMeter
+from .breaker import CircuitBreaker
 from .buckets import Bucket, choose_bucket, fit_to_bucket
+from .cache import CachedAnswer, ResultCache, content_key
 from .config import Settings
 from .deadline import Deadline
-from .decoding import DecodedImage, DecodeLimits, decode_image
-from .pool import BoundedPool
-from .results import top_labels
+from .decoding import DecodeLimits, decode_image
+from .errors import DecodeTimeout, Overloaded
+from .pool import BoundedPool, JobTimeout
+from .results import MAX_TOP_K, top_labels
 
 __all__ = ["RunnerAnswer", "ModelEndpoint", "Classifier", "decode_limits"]
 
@@ -76,86 +86,211 @@ def decode_limits(settings: Settings, buckets: list[Bucket]) -> DecodeLimits:
     )
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """A decoded upload, resized for both models: uint8 H×W×3 ``pixels`` per model ("primary", "fallback")."""
+
+    key: bytes
+    buckets: dict[str, Bucket]
+    pixels: dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One model's try: its ``answer``, or why not (``reason``) and whether it was ``shed`` before reaching the model."""
+
+    answer: RunnerAnswer | None
+    reason: str | None = None
+    shed: bool = False
+
+
+class ModelLane:
+    """One model as the pipeline drives it: endpoint, admission gate, optional breaker."""
+
+    def __init__(self, role: str, endpoint: ModelEndpoint, gate: AdmissionGate, breaker: CircuitBreaker | None) -> None:
+        self.role = role
+        self.endpoint = endpoint
+        self.gate = gate
+        self.breaker = breaker
+
+    async def attempt(self, bucket: Bucket, pixels: np.ndarray, deadline: Deadline, reserve_ms: float,
+                      high: bool) -> Attempt:
+        """Call the model within the deadline minus ``reserve_ms``, through the breaker and the gate."""
+        budget_s = deadline.remaining_s(reserve_ms)
+        if budget_s <= 0:
+            return Attempt(None, f"{self.role}_timeout", shed=True)
+        if self.breaker is not None and not self.breaker.allow():
+            return Attempt(None, f"{self.role}_circuit_open", shed=True)
+        dispatched = False
+
+        async def admitted_call() -> RunnerAnswer:
+            nonlocal dispatched
+            async with self.gate.admit(high, budget_s):
+                dispatched = True
+                return await self.endpoint.call(bucket.name, pixels, deadline.wall_clock_at(reserve_ms))
+
+        try:
+            answer = await asyncio.wait_for(admitted_call(), budget_s)
+        except Shed as shed:
+            self._record(None)
+            logger.debug("%s shed: %s", self.role, shed)
+            return Attempt(None, f"{self.role}_overloaded", shed=True)
+        except asyncio.TimeoutError:
+            self._record(False if dispatched else None)
+            return Attempt(None, f"{self.role}_timeout", shed=not dispatched)
+        except Exception as exc:  # any runner failure degrades; it never becomes a 5xx
+            self._record(False)
+            logger.warning("%s failed: %s: %s", self.endpoint.name, type(exc).__name__, exc)
+            return Attempt(None, f"{self.role}_error")
+        if answer.expired:
+            self._record(False)
+            return Attempt(None, f"{self.role}_timeout")
+        self._record(True)
+        self.gate.meter.record(answer.batch_size, answer.inference_ms)
+        return Attempt(answer)
+
+    def _record(self, ok: bool | None) -> None:
+        """Tell the breaker: ``ok`` for a call that reached the model, ``None`` for one that did not."""
+        if self.breaker is None:
+            return
+        if ok is None:
+            self.breaker.cancel()
+        else:
+            self.breaker.record(ok)
+
+    def state(self) -> dict:
+        """Gate, throughput and breaker state, for ``GET /stats``."""
+        gate = self.gate
+        return {
+            "model": {"name": self.endpoint.name, "version": self.endpoint.version},
+            "dispatched": gate.dispatched,
+            "dispatch_window": gate.window,
+            "queued": gate.queued,
+            "queue_limit": gate.queue_limit,
+            "throughput_ips": None if gate.meter.ips is None else round(gate.meter.ips, 2),
+            "breaker": None if self.breaker is None else self.breaker.state,
+        }
+
+
 class Classifier:
     """Classifies one upload within its deadline, degrading honestly; see the module doc."""
 
     def __init__(self, settings: Settings, primary: ModelEndpoint, fallback: ModelEndpoint, pool: BoundedPool) -> None:
         self.settings = settings
-        self.primary = primary
-        self.fallback = fallback
         self.pool = pool
+        self.primary = ModelLane("primary", primary, AdmissionGate(
+            primary.name, settings.primary_max_batch_size, settings.primary_concurrent_batches,
+            settings.primary_queue_delay_ms, ThroughputMeter(settings.primary_throughput_ips),
+        ), CircuitBreaker(
+            window_s=settings.breaker_window_ms / 1000, min_calls=settings.breaker_min_calls,
+            failure_rate=settings.breaker_failure_rate, open_s=settings.breaker_open_ms / 1000,
+            probes=settings.breaker_probes,
+        ))
+        self.fallback = ModelLane("fallback", fallback, AdmissionGate(
+            fallback.name, settings.fallback_max_batch_size, settings.fallback_concurrent_batches,
+            settings.fallback_queue_delay_ms, ThroughputMeter(settings.fallback_throughput_ips),
+        ), None)
+        self.cache = ResultCache(settings.cache_size)
         self.limits = decode_limits(settings, [*primary.buckets.values(), *fallback.buckets.values()])
 
-    def _prepare(self, data: bytes) -> tuple[DecodedImage, Bucket, np.ndarray]:
-        decoded = decode_image(data, self.limits)
-        bucket = choose_bucket(*decoded.image.size, self.primary.buckets)
-        return decoded, bucket, fit_to_bucket(decoded.image, bucket, self.settings.crop_margin)
+    def _prepare(self, data: bytes) -> Prepared:
+        key = content_key(data)
+        image = decode_image(data, self.limits).image
+        buckets, pixels = {}, {}
+        for lane in (self.primary, self.fallback):
+            bucket = choose_bucket(*image.size, lane.endpoint.buckets)
+            buckets[lane.role] = bucket
+            pixels[lane.role] = fit_to_bucket(image, bucket, self.settings.crop_margin)
+        return Prepared(key, buckets, pixels)
 
-    async def classify(self, data: bytes, top_k: int, deadline: Deadline) -> dict:
+    async def classify(self, data: bytes, top_k: int, deadline: Deadline, high: bool = False) -> dict:
         """The response body for one image (see README, "API").
 
-        Raises ``rampart.errors.ImageError`` for a bad upload and ``Overloaded``
-        when decoding capacity is exhausted; model failures never raise.
+        Raises ``rampart.errors.ImageError`` for a bad upload (``DecodeTimeout`` when
+        decoding runs past ``decode_timeout_ms``) and ``Overloaded`` when decoding
+        capacity is exhausted or both models shed the request and nothing is
+        cached; model failures never raise.
         """
         start = time.perf_counter()
-        decoded, bucket, pixels = await self.pool.run(self._prepare, data)
-        decode_ms = (time.perf_counter() - start) * 1000.0
+        try:
+            prepared = await self.pool.run(
+                self._prepare, data, high=high, budget_s=deadline.remaining_s(), run_limit_s=self.settings.decode_timeout_ms / 1000
+            )
+        except JobTimeout as exc:
+            if exc.by_run_limit:
+                raise DecodeTimeout(f"decoding took longer than {self.settings.decode_timeout_ms} ms") from None
+            return self._static_answer("deadline_exceeded", _ms_since(start), start)
+        decode_ms = _ms_since(start)
 
-        reserve = self.settings.fallback_reserve_ms
-        model = self.primary
-        answer, reason = await self._attempt(self.primary, bucket, pixels, deadline, reserve)
-        if answer is None:
-            model = self.fallback
-            bucket = choose_bucket(*decoded.image.size, self.fallback.buckets)
-            pixels = await self.pool.run_admitted(fit_to_bucket, decoded.image, bucket, self.settings.crop_margin)
-            answer, fallback_reason = await self._attempt(self.fallback, bucket, pixels, deadline, 0.0)
-            if answer is None:
-                logger.warning("fallback failed too (%s) after %s", fallback_reason, reason)
-                return self._static_answer(decode_ms, start)
+        lane, first = self.primary, None
+        attempt = await lane.attempt(prepared.buckets["primary"], prepared.pixels["primary"], deadline,
+                                     self.settings.fallback_reserve_ms, high)
+        if attempt.answer is None:
+            first = attempt
+            lane = self.fallback
+            attempt = await lane.attempt(prepared.buckets["fallback"], prepared.pixels["fallback"], deadline, 0.0, high)
+        if attempt.answer is None:
+            logger.warning("no model answered: %s, then %s", first.reason, attempt.reason)
+            cached = self.cache.get(prepared.key)
+            if cached is not None:
+                return self._cached_answer(cached, top_k, decode_ms, start)
+            if first.shed and attempt.shed:
+                raise Overloaded("both models are at capacity; retry later", self.primary.gate.retry_after_s())
+            return self._static_answer("no_model_available", decode_ms, start)
 
-        total_ms = (time.perf_counter() - start) * 1000.0
+        endpoint, answer = lane.endpoint, attempt.answer
+        bucket = prepared.buckets[lane.role]
+        labels = top_labels(answer.probs, endpoint.labels, MAX_TOP_K)
+        model = {"name": endpoint.name, "version": endpoint.version}
+        self.cache.put(prepared.key, CachedAnswer(labels, model, bucket.name))
+        total_ms = _ms_since(start)
         return {
-            "labels": top_labels(answer.probs, model.labels, top_k),
-            "model": {"name": model.name, "version": model.version},
-            "degraded": reason is not None,
-            "degraded_reason": reason,
+            "labels": labels[:top_k],
+            "model": model,
+            "degraded": first is not None,
+            "degraded_reason": None if first is None else first.reason,
             "needs_review": False,
             "bucket": bucket.name,
-            "timings_ms": {
-                "decode": round(decode_ms, 3),
-                "queue": round(max(total_ms - decode_ms - answer.inference_ms, 0.0), 3),
-                "inference": round(answer.inference_ms, 3),
-                "total": round(total_ms, 3),
-            },
+            "timings_ms": _timings(decode_ms, max(total_ms - decode_ms - answer.inference_ms, 0.0),
+                                   answer.inference_ms, total_ms),
         }
 
-    async def _attempt(
-        self, model: ModelEndpoint, bucket: Bucket, pixels: np.ndarray, deadline: Deadline, reserve_ms: float
-    ) -> tuple[RunnerAnswer | None, str | None]:
-        """Call ``model`` within the deadline minus ``reserve_ms``; (answer, None) or (None, reason)."""
-        prefix = "primary" if model is self.primary else "fallback"
-        budget_s = deadline.remaining_s(reserve_ms)
-        if budget_s <= 0:
-            return None, f"{prefix}_timeout"
-        try:
-            answer = await asyncio.wait_for(model.call(bucket.name, pixels, deadline.wall_clock_at(reserve_ms)), budget_s)
-        except asyncio.TimeoutError:
-            return None, f"{prefix}_timeout"
-        except Exception as exc:  # any runner failure degrades; it never becomes a 5xx
-            logger.warning("%s failed: %s: %s", model.name, type(exc).__name__, exc)
-            return None, f"{prefix}_error"
-        if answer.expired:
-            return None, f"{prefix}_timeout"
-        return answer, None
+    def state(self) -> dict:
+        """Admission, throughput and breaker state of both models, for ``GET /stats``."""
+        return {
+            "primary": self.primary.state(),
+            "fallback": self.fallback.state(),
+            "cache_entries": len(self.cache),
+            "decode_pending": self.pool.pending,
+        }
 
-    def _static_answer(self, decode_ms: float, start: float) -> dict:
-        total_ms = (time.perf_counter() - start) * 1000.0
+    def _cached_answer(self, cached: CachedAnswer, top_k: int, decode_ms: float, start: float) -> dict:
+        return {
+            "labels": cached.labels[:top_k],
+            "model": cached.model,
+            "degraded": True,
+            "degraded_reason": "cached_result",
+            "needs_review": False,
+            "bucket": cached.bucket,
+            "timings_ms": _timings(decode_ms, 0.0, 0.0, _ms_since(start)),
+        }
+
+    def _static_answer(self, reason: str, decode_ms: float, start: float) -> dict:
         return {
             "labels": [],
             "model": None,
             "degraded": True,
-            "degraded_reason": "no_model_available",
+            "degraded_reason": reason,
             "needs_review": True,
             "bucket": None,
-            "timings_ms": {"decode": round(decode_ms, 3), "queue": 0.0, "inference": 0.0, "total": round(total_ms, 3)},
+            "timings_ms": _timings(decode_ms, 0.0, 0.0, _ms_since(start)),
         }
+
+
+def _ms_since(start: float) -> float:
+    return (time.perf_counter() - start) * 1000.0
+
+
+def _timings(decode_ms: float, queue_ms: float, inference_ms: float, total_ms: float) -> dict:
+    return {"decode": round(decode_ms, 3), "queue": round(queue_ms, 3), "inference": round(inference_ms, 3),
+            "total": round(total_ms, 3)}

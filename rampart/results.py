@@ -10,7 +10,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["softmax", "top_labels"]
+__all__ = ["MAX_TOP_K", "softmax", "top_labels"]
+
+#: Most labels a request may ask for (``top_k``).
+MAX_TOP_K = 20
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:

@@ -62,6 +62,7 @@ class BucketedRunner:
         self.faults = faults
         self.max_batch_size = max_batch_size
         self.ttl_dropped = 0
+        self.warmup_ms_per_image = 0.0
         self._lock = threading.Lock()
         self._ready = False
 
@@ -69,12 +70,28 @@ class BucketedRunner:
         """Run every bucket at every power-of-two batch size up to ``max_batch_size``.
 
         The first real request then never pays for kernel selection or allocation.
+        Then one full batch is timed: ``warmup_ms_per_image`` seeds the entry
+        service's throughput estimate (``rampart.admission.ThroughputMeter``).
         """
         sizes = [1 << i for i in range(self.max_batch_size.bit_length()) if 1 << i <= self.max_batch_size]
+        sizes.append(self.max_batch_size)
         for bucket in self.buckets.values():
-            for size in sizes:
+            for size in sorted(set(sizes)):
                 self.engine.predict(np.zeros((size, *bucket.shape), dtype=np.uint8))
+        full = np.zeros((self.max_batch_size, *self.buckets["square"].shape), dtype=np.uint8)
+        start = time.perf_counter()
+        self.engine.predict(full)
+        self.warmup_ms_per_image = (time.perf_counter() - start) * 1000.0 / self.max_batch_size
         self._ready = True
+
+    @bentoml.api(route="/stats")
+    async def stats(self) -> dict:
+        """Counters of this runner: ``warmup_ms_per_image`` (ms), ``ttl_dropped`` and ``oom_splits`` (counts)."""
+        return {
+            "warmup_ms_per_image": self.warmup_ms_per_image,
+            "ttl_dropped": self.ttl_dropped,
+            "oom_splits": getattr(self.engine, "oom_splits", 0),
+        }
 
     def __is_ready__(self) -> bool:
         return self._ready
@@ -106,13 +123,13 @@ class BucketedRunner:
         return results
 
 
-def runner_service(name: str, timeout_s: float):
-    """The ``bentoml.service`` decorator of a runner: one worker, one inference thread.
+def runner_service(name: str, timeout_s: float, concurrent_batches: int):
+    """The ``bentoml.service`` decorator of a runner: one worker, ``concurrent_batches`` inference threads.
 
-    One thread per worker bounds the concurrent batches per device to one; the three
+    The thread count bounds the concurrent batches per device (default 1); the three
     bucket dispatchers queue behind it.
     """
-    return bentoml.service(name=name, workers=1, threads=1, traffic={"timeout": timeout_s})
+    return bentoml.service(name=name, workers=1, threads=concurrent_batches, traffic={"timeout": timeout_s})
 
 
 def bucket_apis(max_batch_size: int, max_latency_ms: int) -> tuple:

@@ -20,17 +20,38 @@ class TorchClassifier:
     ``predict(batch)`` takes uint8 N×H×W×3 and returns float32 N×C probabilities.
     On CPU, channels_last measured about twice as fast as contiguous NCHW for
     EfficientNet-Lite2 on this project's 2-core CI machine.
+
+    GPU safety: ``memory_fraction`` caps this process's share of the GPU's memory
+    (``torch.cuda.set_per_process_memory_fraction``). A batch that raises
+    ``torch.OutOfMemoryError`` is split in two halves and retried once, half by
+    half; if a half fails again the error propagates (the pipeline then falls
+    back). ``oom_splits`` counts the splits.
     """
 
-    def __init__(self, module, mean: float, std: float, device: str | None = None) -> None:
+    def __init__(self, module, mean: float, std: float, device: str | None = None, memory_fraction: float = 0.9) -> None:
         import torch
 
         self._torch = torch
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(memory_fraction, self.device)
         self.module = module.eval().to(self.device, memory_format=torch.channels_last)
         self.mean, self.std = float(mean), float(std)
+        self.oom_splits = 0
 
     def predict(self, batch: np.ndarray) -> np.ndarray:
+        try:
+            return self._forward(batch)
+        except self._torch.OutOfMemoryError:
+            if len(batch) < 2:
+                raise
+            self.oom_splits += 1
+            if self.device.type == "cuda":
+                self._torch.cuda.empty_cache()
+            half = len(batch) // 2
+            return np.concatenate([self._forward(batch[:half]), self._forward(batch[half:])])
+
+    def _forward(self, batch: np.ndarray) -> np.ndarray:
         torch = self._torch
         with torch.inference_mode():
             # NHWC uint8 -> NCHW view with channels_last strides: no copy before the upload.

@@ -9,13 +9,14 @@ from __future__ import annotations
 import bentoml
 
 from rampart.config import get_settings
-from rampart.faults import FaultInjector
+from rampart.faults import FaultInjector, FaultSpec
 from runners.common import BucketedRunner, bucket_apis, runner_service
 
 settings = get_settings()
 
 
-@runner_service("rampart_fallback", timeout_s=settings.max_deadline_ms / 1000 + 10)
+@runner_service("rampart_fallback", timeout_s=settings.max_deadline_ms / 1000 + 10,
+                concurrent_batches=settings.fallback_concurrent_batches)
 class Fallback(BucketedRunner):
     """EfficientNet-Lite0 in ONNX (or an imported ONNX model) behind adaptive batching."""
 
@@ -30,7 +31,7 @@ class Fallback(BucketedRunner):
         self.engine = OnnxClassifier(self.model.path_of("model.onnx"), meta["mean"], meta["std"])
         self.setup(
             meta["resolution"],
-            FaultInjector(error_rate=settings.fault_fallback_error_rate),
+            FaultInjector("fallback", FaultSpec(error_rate=settings.fault_fallback_error_rate), settings.fault_file),
             settings.fallback_max_batch_size,
         )
         self.warm_up()

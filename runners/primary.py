@@ -9,13 +9,14 @@ from __future__ import annotations
 import bentoml
 
 from rampart.config import get_settings
-from rampart.faults import FaultInjector
+from rampart.faults import FaultInjector, FaultSpec
 from runners.common import BucketedRunner, bucket_apis, runner_service
 
 settings = get_settings()
 
 
-@runner_service("rampart_primary", timeout_s=settings.max_deadline_ms / 1000 + 10)
+@runner_service("rampart_primary", timeout_s=settings.max_deadline_ms / 1000 + 10,
+                concurrent_batches=settings.primary_concurrent_batches)
 class Primary(BucketedRunner):
     """EfficientNet-Lite2 (or an imported PyTorch model) behind adaptive batching."""
 
@@ -32,13 +33,13 @@ class Primary(BucketedRunner):
         meta = self.model.info.metadata
         module = create_architecture(meta["family"], meta["arch"], num_classes=len(meta["labels"]))
         module.load_state_dict(torch.load(self.model.path_of("weights.pt"), map_location="cpu", weights_only=True))
-        self.engine = TorchClassifier(module, meta["mean"], meta["std"])
+        self.engine = TorchClassifier(module, meta["mean"], meta["std"], memory_fraction=settings.gpu_memory_fraction)
         self.setup(
             meta["resolution"],
             FaultInjector(
-                delay_ms=settings.fault_primary_delay_ms,
-                error_rate=settings.fault_primary_error_rate,
-                hang=settings.fault_primary_hang,
+                "primary",
+                FaultSpec(settings.fault_primary_delay_ms, settings.fault_primary_error_rate, settings.fault_primary_hang),
+                settings.fault_file,
             ),
             settings.primary_max_batch_size,
         )

@@ -1,0 +1,228 @@
+"""Admission gate, throughput meter, circuit breaker, cache, decode pool, faults, OOM split: no server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from rampart.admission import AdmissionGate, Shed, ThroughputMeter
+from rampart.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from rampart.cache import CachedAnswer, ResultCache, content_key
+from rampart.errors import Overloaded
+from rampart.faults import FaultInjector, FaultSpec, InjectedFault
+from rampart.pool import BoundedPool, JobTimeout
+from runners.engines import TorchClassifier
+
+
+def test_meter_weights_images_not_batches_and_honours_override():
+    meter = ThroughputMeter(alpha=0.5)
+    assert meter.ips is None
+    meter.seed(10.0)
+    assert meter.ips == pytest.approx(100.0)
+    meter.record(batch_size=4, inference_ms=20.0)  # 5 ms per image
+    assert meter.ms_per_image == pytest.approx(7.5)
+    assert ThroughputMeter(override_ips=200).ips == pytest.approx(200)
+
+
+def test_queue_limit_is_throughput_times_delay_the_seed_rule():
+    gate = AdmissionGate("m", max_batch_size=8, concurrent_batches=1, queue_delay_ms=200,
+                         meter=ThroughputMeter(override_ips=200))
+    assert gate.queue_limit == 40  # 200 img/s x 0.2 s
+    assert gate.window == 16
+
+
+async def _hold(gate: AdmissionGate, high: bool, budget_s: float, release: asyncio.Event, order: list) -> str:
+    try:
+        async with gate.admit(high, budget_s):
+            order.append("high" if high else "normal")
+            await release.wait()
+        return "served"
+    except Shed as shed:
+        return shed.reason
+
+
+def test_gate_orders_high_first_sheds_when_full_and_evicts_normal_for_high():
+    async def scenario():
+        gate = AdmissionGate("m", max_batch_size=2, concurrent_batches=1, queue_delay_ms=1,
+                             meter=ThroughputMeter())  # window 4, queue limit 2 (one batch)
+        release, order = asyncio.Event(), []
+        tasks = [asyncio.create_task(_hold(gate, False, 10, release, order)) for _ in range(6)]
+        await asyncio.sleep(0.01)
+        assert gate.dispatched == 4 and gate.queued == 2
+        high = asyncio.create_task(_hold(gate, True, 10, release, order))
+        await asyncio.sleep(0.01)
+        release.set()
+        results = await asyncio.gather(*tasks, high)
+        return results, order
+
+    results, order = asyncio.run(scenario())
+    assert results[:4] == ["served"] * 4
+    assert results[4] == "served" and results[5] == "evicted"  # the newest normal made room for the high one
+    assert results[6] == "served"
+    assert order[4] == "high"  # admitted ahead of the normal request that arrived before it
+
+
+def test_gate_sheds_when_predicted_completion_exceeds_the_budget():
+    gate = AdmissionGate("m", max_batch_size=4, concurrent_batches=1, queue_delay_ms=1000,
+                         meter=ThroughputMeter(override_ips=10))  # 100 ms per image
+    gate.dispatched = 8
+
+    async def try_admit():
+        async with gate.admit(False, budget_s=0.5):
+            pass
+
+    with pytest.raises(Shed) as shed:
+        asyncio.run(try_admit())
+    assert shed.value.reason == "predicted_late" and gate.dispatched == 8
+    assert gate.predicted_s(high=False) == pytest.approx(0.9)  # (8 ahead + itself) x 100 ms
+
+
+def test_gate_releases_slot_when_waiter_is_cancelled():
+    async def scenario():
+        gate = AdmissionGate("m", max_batch_size=1, concurrent_batches=1, queue_delay_ms=1, meter=ThroughputMeter())
+        release, order = asyncio.Event(), []
+        holders = [asyncio.create_task(_hold(gate, False, 10, release, order)) for _ in range(2)]
+        waiter = asyncio.create_task(_hold(gate, False, 10, release, order))
+        await asyncio.sleep(0.01)
+        waiter.cancel()
+        release.set()
+        await asyncio.gather(*holders)
+        return gate
+
+    gate = asyncio.run(scenario())
+    assert gate.dispatched == 0 and gate.queued == 0
+
+
+def test_breaker_opens_on_failure_rate_then_half_open_probes_close_it():
+    now = [0.0]
+    breaker = CircuitBreaker(window_s=10, min_calls=4, failure_rate=0.5, open_s=5, probes=2, clock=lambda: now[0])
+    for ok in (True, False, True, False):
+        assert breaker.allow()
+        breaker.record(ok)
+    assert breaker.state == OPEN and not breaker.allow()
+    now[0] = 6.0
+    assert breaker.state == HALF_OPEN
+    assert breaker.allow() and breaker.allow() and not breaker.allow()  # two probes at a time
+    breaker.record(True)
+    breaker.record(True)
+    assert breaker.state == CLOSED
+
+
+def test_breaker_reopens_on_a_failed_probe_and_ignores_shed_calls():
+    now = [0.0]
+    breaker = CircuitBreaker(window_s=10, min_calls=2, failure_rate=0.5, open_s=1, probes=1, clock=lambda: now[0])
+    for _ in range(10):
+        assert breaker.allow()
+        breaker.cancel()  # shed before reaching the model: not a failure
+    assert breaker.state == CLOSED
+    breaker.record(False)
+    breaker.record(False)
+    now[0] = 2.0
+    assert breaker.allow()
+    breaker.record(False)
+    assert breaker.state == OPEN and breaker.times_opened == 2
+
+
+def test_cache_is_lru_bounded_and_can_be_off():
+    cache = ResultCache(2)
+    keys = [content_key(bytes([i])) for i in range(3)]
+    for key in keys:
+        cache.put(key, CachedAnswer([], {"name": "m", "version": "1"}, "square"))
+    assert len(cache) == 2 and cache.get(keys[0]) is None and cache.get(keys[2]) is not None
+    off = ResultCache(0)
+    off.put(keys[0], CachedAnswer([], {}, "square"))
+    assert off.get(keys[0]) is None
+
+
+def test_pool_runs_high_priority_first():
+    async def scenario():
+        pool = BoundedPool(workers=1, queue=10)
+        gate = threading.Event()
+        order: list[str] = []
+        blocker = asyncio.create_task(pool.run(gate.wait))
+        await asyncio.sleep(0.05)
+        normal = [asyncio.create_task(pool.run(order.append, f"n{i}")) for i in range(3)]
+        high = asyncio.create_task(pool.run(order.append, "h", high=True))
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(blocker, *normal, high)
+        return order
+
+    assert asyncio.run(scenario())[0] == "h"
+
+
+def test_pool_bounds_queue_start_wait_and_run_time():
+    async def scenario():
+        pool = BoundedPool(workers=1, queue=1)
+        gate = threading.Event()
+        with pytest.raises(JobTimeout) as slow:  # started, then ran past its own limit
+            await pool.run(time.sleep, 0.3, budget_s=5, run_limit_s=0.05)
+        assert slow.value.by_run_limit
+        with pytest.raises(JobTimeout) as late:  # started, then the caller's budget ran out
+            await pool.run(time.sleep, 0.6, budget_s=0.3, run_limit_s=5)
+        assert not late.value.by_run_limit
+        blocker = asyncio.create_task(pool.run(time.sleep, 0.3))
+        await asyncio.sleep(0.05)
+        with pytest.raises(Overloaded):  # never started within its budget: cancelled, 429
+            await pool.run(time.sleep, 0, budget_s=0.05)
+        await blocker
+        gate.clear()
+        hold = asyncio.create_task(pool.run(gate.wait))
+        await asyncio.sleep(0.05)
+        queued = asyncio.create_task(pool.run(time.sleep, 0))
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded):  # one running + one waiting = full
+            await pool.run(time.sleep, 0)
+        gate.set()
+        await asyncio.gather(hold, queued)
+        return pool.pending
+
+    assert asyncio.run(scenario()) == 0
+
+
+def test_fault_file_overrides_settings_and_ends_a_hang(tmp_path):
+    path = tmp_path / "faults.json"
+    injector = FaultInjector("primary", FaultSpec(), str(path))
+    injector.before_batch()  # no file yet: the (empty) settings apply
+    path.write_text(json.dumps({"fault_primary_error_rate": 1.0}))
+    with pytest.raises(InjectedFault):
+        injector.before_batch()
+    path.write_text(json.dumps({"fault_primary_hang": True}))
+    threading.Timer(0.3, lambda: path.write_text("{}")).start()
+    start = time.monotonic()
+    injector.before_batch()  # returns once the file stops asking for a hang
+    assert time.monotonic() - start >= 0.25
+    path.write_text("not json")
+    injector.before_batch()  # an unreadable file falls back to the settings
+
+
+class _OomAbove(torch.nn.Module):
+    """A stand-in network that raises CUDA's OOM error for batches larger than ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.linear = torch.nn.Linear(3, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.limit:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return self.linear(x.mean(dim=(2, 3)))
+
+
+def test_oom_splits_the_batch_once_then_gives_up():
+    batch = np.random.default_rng(0).integers(0, 255, (4, 8, 8, 3), dtype=np.uint8)
+    reference = TorchClassifier(_OomAbove(limit=100), 127.0, 128.0, device="cpu")
+    engine = TorchClassifier(_OomAbove(limit=2), 127.0, 128.0, device="cpu")
+    engine.module.load_state_dict(reference.module.state_dict())
+    out = engine.predict(batch)
+    assert engine.oom_splits == 1
+    np.testing.assert_allclose(out, reference.predict(batch), rtol=1e-5, atol=1e-6)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        TorchClassifier(_OomAbove(limit=1), 127.0, 128.0, device="cpu").predict(batch)  # halves of 2 still fail
