@@ -75,15 +75,21 @@ async def classify(request: Request) -> JSONResponse:
         top_k = http.parse_top_k(request)
         deadline = http.parse_deadline(request, settings)
         high = http.parse_priority(request)
-        if http.is_multipart(request):
-            body = await http.read_body(request, settings.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
-            files = http.multipart_files(request, body, "image")
-            if len(files) > 1:
-                raise InvalidParameter("send one part named 'image'; use /classify_batch for several")
-            data = files[0][1]
-        else:
-            data = await http.read_body(request, settings.max_body_bytes)
-        result = await service().classifier.classify(data, top_k, deadline, high)
+        classifier = service().classifier
+        admission = classifier.admit(deadline, high)  # sheds (429) before the body is read
+        try:
+            if http.is_multipart(request):
+                body = await http.read_body(request, settings.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
+                files = http.multipart_files(request, body, "image")
+                if len(files) > 1:
+                    raise InvalidParameter("send one part named 'image'; use /classify_batch for several")
+                data = files[0][1]
+            else:
+                data = await http.read_body(request, settings.max_body_bytes)
+        except BaseException:
+            classifier.release(admission)
+            raise
+        result = await classifier.classify(data, top_k, deadline, high, admission)
     except RampartError as error:
         return http.error_response(error, request_id)
     except Exception:

@@ -7,16 +7,18 @@ forming. Requests beyond that wait in the gate's own queue, high priority first,
 then in arrival order, so the runner's queue stays short and priority means
 something (BentoML's dispatcher itself is first in, first out).
 
-The wait queue is bounded by measured throughput × the acceptable queueing delay
+Queued requests include those still being decoded: the place is reserved on
+arrival. The wait queue is bounded by measured throughput × the acceptable queueing delay
 (``queue_delay_ms``), as in the seed's sizing rule: 200 img/s × 0.2 s = 40. The
 throughput comes from ``ThroughputMeter``: seeded by the runner's warm-up, then
-updated online from every completed batch, or fixed by configuration.
+measured online from completions while the model is saturated, or fixed by
+configuration.
 
-On arrival (``AdmissionGate.admit``, a few microseconds, no I/O) a request is shed
-with ``Shed`` when
+On arrival, before its body is even read (``AdmissionGate.reserve``, a few
+microseconds, no I/O), a request takes a ``Ticket`` or is shed with ``Shed`` when
 
-- the queue is full (``queue_full``); a high-priority arrival instead evicts the
-  newest waiting normal request, which is shed with ``evicted``;
+- the gate is full (``queue_full``); a high-priority arrival instead evicts the
+  newest queued normal request, which is shed with ``evicted``;
 - the predicted completion time exceeds what is left of its deadline
   (``predicted_late``): the images ahead of it and itself times the measured
   time per image.
@@ -30,11 +32,11 @@ import asyncio
 import heapq
 import itertools
 import math
+import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-__all__ = ["Shed", "ThroughputMeter", "AdmissionGate"]
+__all__ = ["Shed", "ThroughputMeter", "Ticket", "AdmissionGate"]
 
 
 class Shed(Exception):
@@ -46,54 +48,121 @@ class Shed(Exception):
 
 
 class ThroughputMeter:
-    """Images per second of one model, from the busy time of completed batches.
+    """Images per second one model completes while it is saturated, measured online.
 
-    Each completed image contributes ``inference_ms / batch_size`` (its share of
-    its batch's compute time) to an exponentially weighted mean with weight
-    ``alpha`` per image, so a batch of 16 moves the estimate about 16 times as far
-    as a batch of 1. ``override_ips`` > 0 fixes the value (setting
-    ``<model>_throughput_ips``). Before any measurement, ``ips`` is ``None``.
+    The gate reports when the model is saturated (at least one full batch
+    dispatched) and each image answered in time. Throughput is images completed
+    while saturated divided by time spent saturated, both exponentially decayed
+    with time constant ``tau_s``: it sees everything that slows the model down
+    (contention for the CPU or GPU, transport, batching waits), and calls that
+    time out add time but no images. While the model is not saturated the
+    estimate keeps its last value: light load says nothing about capacity. The
+    runner's warm-up (a timed full batch) seeds it; ``override_ips`` > 0 fixes it
+    instead (setting ``<model>_throughput_ips``).
     """
 
-    def __init__(self, override_ips: float = 0.0, alpha: float = 0.05) -> None:
+    def __init__(self, override_ips: float = 0.0, tau_s: float = 5.0, clock=time.monotonic) -> None:
         self.override_ips = override_ips
-        self.alpha = alpha
-        self._ms_per_image: float | None = None
+        self.tau_s = tau_s
+        self.clock = clock
+        self._images = 0.0
+        self._busy_s = 0.0
+        self._saturated = False
+        self._last = clock()
 
     def seed(self, ms_per_image: float) -> None:
-        """Start from a warm-up measurement (ms per image at full batch) if nothing was measured yet."""
-        if self._ms_per_image is None and ms_per_image > 0:
-            self._ms_per_image = ms_per_image
+        """Start from a warm-up measurement (ms per image at full batch), worth one second of observation."""
+        if self._busy_s == 0 and ms_per_image > 0:
+            self._images, self._busy_s = 1000.0 / ms_per_image, 1.0
 
-    def record(self, batch_size: int, inference_ms: float) -> None:
-        """Account for one image answered from a batch of ``batch_size`` that took ``inference_ms``."""
-        if batch_size <= 0 or inference_ms <= 0:
-            return
-        sample = inference_ms / batch_size
-        if self._ms_per_image is None:
-            self._ms_per_image = sample
-        else:
-            self._ms_per_image += self.alpha * (sample - self._ms_per_image)
+    def saturated(self, saturated: bool) -> None:
+        """The model is (or is no longer) saturated from now on."""
+        self._advance()
+        self._saturated = saturated
 
-    @property
-    def ms_per_image(self) -> float | None:
-        """Milliseconds of compute per image, or ``None`` before any measurement."""
-        if self.override_ips > 0:
-            return 1000.0 / self.override_ips
-        return self._ms_per_image
+    def completed(self, images: int = 1) -> None:
+        """``images`` were answered just now."""
+        self._advance()
+        if self._saturated:
+            self._images += images
+
+    def _advance(self) -> None:
+        now = self.clock()
+        decay = math.exp(-(now - self._last) / self.tau_s)
+        self._images *= decay
+        self._busy_s = self._busy_s * decay + (self.tau_s * (1.0 - decay) if self._saturated else 0.0)
+        self._last = now
 
     @property
     def ips(self) -> float | None:
         """Images per second, or ``None`` before any measurement."""
-        ms = self.ms_per_image
-        return None if ms is None else 1000.0 / ms
+        if self.override_ips > 0:
+            return self.override_ips
+        if self._busy_s <= 0 or self._images <= 0:
+            return None
+        return self._images / self._busy_s
+
+    @property
+    def ms_per_image(self) -> float | None:
+        """Milliseconds per image, or ``None`` before any measurement."""
+        ips = self.ips
+        return None if ips is None else 1000.0 / ips
 
 
-@dataclass(order=True)
-class _Waiter:
-    rank: int  # 0 for high priority, 1 for normal: lower is served first
-    seq: int
-    turn: asyncio.Future = field(compare=False)
+class Ticket:
+    """A place in an ``AdmissionGate``, reserved when the request arrives (before its body is decoded).
+
+    ``async with ticket.turn():`` waits until the gate dispatches it and holds the
+    dispatch slot for the runner call; ``cancel()`` gives back a ticket that will
+    not be used. A ticket may be evicted by a high-priority arrival while it waits:
+    ``turn()`` then raises ``Shed("evicted")``.
+    """
+
+    def __init__(self, gate: "AdmissionGate", high: bool, seq: int) -> None:
+        self.gate = gate
+        self.high = high
+        self.seq = seq
+        self.future: asyncio.Future | None = None
+        self.evicted = False
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        """Wait for dispatch (high priority first, then arrival order), then hold the slot.
+
+        Call ``gate.completed()`` for an answer that came back in time.
+        """
+        gate = self.gate
+        if self.evicted:
+            raise Shed("evicted", f"{gate.name}: evicted by a high-priority request")
+        if gate.dispatched < gate.window and not gate._heap_has_waiters():
+            gate._take(self)
+        else:
+            self.future = asyncio.get_running_loop().create_future()
+            heapq.heappush(gate._heap, (0 if self.high else 1, self.seq, self))
+            try:
+                await self.future
+            except BaseException:
+                if self.future.done() and not self.future.cancelled() and self.future.exception() is None:
+                    gate._release()  # dispatched in the same instant the caller gave up: hand the slot on
+                else:
+                    self.cancel()
+                raise
+        try:
+            yield
+        finally:
+            gate._release()
+
+    @property
+    def queued(self) -> bool:
+        """True until the ticket is dispatched, cancelled or evicted."""
+        return self.seq in self.gate._pending
+
+    def cancel(self) -> None:
+        """Give the place back if it was never dispatched (no-op otherwise)."""
+        if self.queued:
+            self.gate._forget(self)
+        if self.future is not None and not self.future.done():
+            self.future.cancel()
 
 
 class AdmissionGate:
@@ -101,8 +170,9 @@ class AdmissionGate:
 
     ``max_batch_size`` and ``concurrent_batches`` describe the runner;
     ``queue_delay_ms`` is the acceptable queueing delay that sizes the wait queue
-    (never below one batch). Use ``async with gate.admit(high, budget_s):`` around
-    the runner call, and ``gate.meter.record(...)`` with each answer.
+    (never below one batch). ``reserve(high, budget_s)`` on arrival returns a
+    ``Ticket`` or raises ``Shed``; ``async with ticket.turn():`` goes around the
+    runner call.
     """
 
     def __init__(self, name: str, max_batch_size: int, concurrent_batches: int, queue_delay_ms: float,
@@ -113,7 +183,10 @@ class AdmissionGate:
         self.queue_delay_ms = queue_delay_ms
         self.meter = meter
         self.dispatched = 0
-        self._waiting: list[_Waiter] = []
+        self.queued = 0  # tickets reserved or waiting, not dispatched yet
+        self.queued_high = 0
+        self._pending: dict[int, Ticket] = {}  # the queued tickets, in arrival order
+        self._heap: list[tuple[int, int, Ticket]] = []
         self._seq = itertools.count()
 
     @property
@@ -124,74 +197,76 @@ class AdmissionGate:
             return self.max_batch_size
         return max(self.max_batch_size, int(ips * self.queue_delay_ms / 1000.0))
 
-    @property
-    def queued(self) -> int:
-        """Requests waiting in the gate now (not yet dispatched)."""
-        return sum(1 for w in self._waiting if not w.turn.done())
-
     def predicted_s(self, high: bool) -> float:
         """Predicted seconds until a request arriving now with priority ``high`` is answered.
 
-        The images ahead of it (dispatched, plus waiting at its priority or higher)
+        The images ahead of it (dispatched, plus queued at its priority or higher)
         and itself, times the measured time per image; 0 before anything was measured.
         """
         ms = self.meter.ms_per_image
         if ms is None:
             return 0.0
-        ahead = sum(1 for w in self._waiting if not w.turn.done() and (w.rank == 0 or not high))
+        ahead = self.queued_high if high else self.queued
         return (self.dispatched + ahead + 1) * ms / 1000.0
+
+    def reserve(self, high: bool, budget_s: float) -> Ticket:
+        """Admit a request that has ``budget_s`` seconds left, or raise ``Shed`` at once.
+
+        Full means ``window`` dispatched plus ``queue_limit`` queued; a high-priority
+        request then evicts the newest queued normal one instead of being shed.
+        """
+        predicted = self.predicted_s(high)
+        idle = self.dispatched == 0 and (self.queued_high if high else self.queued) == 0
+        if predicted > budget_s and not idle:  # an idle model always gets a try: the meter may be stale
+            raise Shed("predicted_late", f"{self.name}: predicted {predicted * 1000:.0f} ms > {budget_s * 1000:.0f} ms left")
+        if self.dispatched + self.queued >= self.window + self.queue_limit and not (high and self._evict_newest_normal()):
+            raise Shed("queue_full", f"{self.name}: {self.queued} requests queued, the limit is {self.queue_limit}")
+        ticket = Ticket(self, high, next(self._seq))
+        self._pending[ticket.seq] = ticket
+        self.queued += 1
+        self.queued_high += high
+        return ticket
 
     def retry_after_s(self) -> float:
         """Seconds until the current queue has drained, at least 1: for ``Retry-After``."""
         ms = self.meter.ms_per_image or 0.0
         return max(1.0, math.ceil((self.dispatched + self.queued) * ms / 1000.0))
 
-    @asynccontextmanager
-    async def admit(self, high: bool, budget_s: float) -> AsyncIterator[None]:
-        """Admit one request with ``budget_s`` seconds left, wait for its turn, hold a dispatch slot.
+    def _forget(self, ticket: Ticket) -> None:
+        del self._pending[ticket.seq]
+        self.queued -= 1
+        self.queued_high -= ticket.high
 
-        Raises ``Shed`` at once (queue full, predicted late) or while waiting
-        (evicted by a high-priority arrival). Waiting is cancelled with the caller.
-        """
-        predicted = self.predicted_s(high)
-        if predicted > budget_s:
-            raise Shed("predicted_late", f"{self.name}: predicted {predicted * 1000:.0f} ms > {budget_s * 1000:.0f} ms left")
-        if self.dispatched < self.window and not self.queued:
-            self.dispatched += 1
-        else:
-            await self._wait_turn(high)
-        try:
-            yield
-        finally:
-            self.dispatched -= 1
-            self._dispatch_next()
+    def completed(self) -> None:
+        """One dispatched image was answered in time: feeds the throughput meter."""
+        self.meter.completed()
 
-    async def _wait_turn(self, high: bool) -> None:
-        if self.queued >= self.queue_limit and not (high and self._evict_newest_normal()):
-            raise Shed("queue_full", f"{self.name}: {self.queued} requests waiting, the limit is {self.queue_limit}")
-        waiter = _Waiter(0 if high else 1, next(self._seq), asyncio.get_running_loop().create_future())
-        heapq.heappush(self._waiting, waiter)
-        try:
-            await waiter.turn
-        except BaseException:
-            if waiter.turn.done() and not waiter.turn.cancelled() and waiter.turn.exception() is None:
-                # granted in the same instant the caller gave up: hand the slot on
-                self.dispatched -= 1
-                self._dispatch_next()
-            waiter.turn.cancel()
-            raise
+    def _take(self, ticket: Ticket) -> None:
+        self._forget(ticket)
+        self.dispatched += 1
+        self._update_saturation()
+
+    def _update_saturation(self) -> None:
+        self.meter.saturated(self.dispatched >= self.max_batch_size)
+
+    def _release(self) -> None:
+        self.dispatched -= 1
+        self._update_saturation()
+        while self._heap and self.dispatched < self.window:
+            _, _, ticket = heapq.heappop(self._heap)
+            if ticket.queued and ticket.future is not None and not ticket.future.done():
+                self._take(ticket)
+                ticket.future.set_result(None)
+
+    def _heap_has_waiters(self) -> bool:
+        return any(t.queued and t.future is not None and not t.future.done() for _, _, t in self._heap)
 
     def _evict_newest_normal(self) -> bool:
-        live = [w for w in self._waiting if w.rank == 1 and not w.turn.done()]
-        if not live:
-            return False
-        newest = max(live, key=lambda w: w.seq)
-        newest.turn.set_exception(Shed("evicted", f"{self.name}: evicted by a high-priority request"))
-        return True
-
-    def _dispatch_next(self) -> None:
-        while self._waiting and self.dispatched < self.window:
-            waiter = heapq.heappop(self._waiting)
-            if not waiter.turn.done():
-                self.dispatched += 1
-                waiter.turn.set_result(None)
+        for ticket in reversed(self._pending.values()):
+            if not ticket.high:
+                self._forget(ticket)
+                ticket.evicted = True
+                if ticket.future is not None and not ticket.future.done():
+                    ticket.future.set_exception(Shed("evicted", f"{self.name}: evicted by a high-priority request"))
+                return True
+        return False

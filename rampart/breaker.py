@@ -8,7 +8,10 @@
 - **half_open**: up to ``probes`` calls at a time go through as probes; ``probes``
   successes in a row close the breaker, one failure opens it again.
 
-Load shedding is not a failure: only calls that reached the model count.
+Load shedding is not a failure: only calls that reached the model count. The
+pipeline counts a timeout as a failure only when the model answered nothing else
+while the call waited (see ``rampart.pipeline.ModelLane``), so overload alone
+never opens the breaker; a hung or failing model does.
 """
 
 from __future__ import annotations

@@ -50,6 +50,8 @@ class Settings(BaseModel):
     max_deadline_ms: int = Field(60_000, gt=0)
     # Part of every deadline kept back for the fallback when the primary is slow.
     fallback_reserve_ms: int = Field(250, ge=0)
+    # The pipeline stops this long before the client's deadline, leaving time to send the answer.
+    answer_margin_ms: int = Field(20, ge=0)
 
     # Adaptive batching (BentoML), per model. BentoML's dispatcher cancels (503) a request
     # it predicts will exceed max_latency_ms; Rampart's own deadlines do the shedding, so
@@ -70,6 +72,11 @@ class Settings(BaseModel):
     fallback_queue_delay_ms: int = Field(200, gt=0)
     primary_throughput_ips: float = Field(0.0, ge=0.0)
     fallback_throughput_ips: float = Field(0.0, ge=0.0)
+    # Niceness of the runner processes. On a CPU-only host inference then yields the CPU
+    # to the API layer, which must keep answering (and shedding) under overload, and the
+    # fallback yields to the primary, whose full answers are worth more.
+    primary_nice: int = Field(5, ge=0, le=19)
+    fallback_nice: int = Field(10, ge=0, le=19)
     # Share of the GPU's memory the primary may allocate (torch.cuda.set_per_process_memory_fraction).
     gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
 

@@ -8,10 +8,14 @@ is comparable across processes on one host.
 
 from __future__ import annotations
 
+import asyncio
 import time
+from typing import Awaitable, TypeVar
+
+T = TypeVar("T")
 from dataclasses import dataclass, field
 
-__all__ = ["Deadline"]
+__all__ = ["Deadline", "run_within"]
 
 
 @dataclass(frozen=True)
@@ -33,3 +37,23 @@ class Deadline:
     def wall_clock_at(self, reserve_ms: float = 0.0) -> float:
         """The ``time.time()`` instant of the deadline minus ``reserve_ms``, for other processes."""
         return self.start_wall + (self.budget_ms - reserve_ms) / 1000.0
+
+
+async def run_within(awaitable: Awaitable[T], timeout_s: float) -> T:
+    """The result of ``awaitable`` if it finishes within ``timeout_s`` seconds, else ``asyncio.TimeoutError``.
+
+    Unlike ``asyncio.wait_for`` (Python 3.11), it does not wait for the cancelled
+    work to finish unwinding: an HTTP call to a runner may take hundreds of
+    milliseconds to tear down under load, and the answer must not wait for that.
+    """
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait([task], timeout=max(timeout_s, 0.0))
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if done:
+        return task.result()
+    task.cancel()
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody waits for it any more
+    raise asyncio.TimeoutError(f"not finished within {timeout_s * 1000:.0f} ms")

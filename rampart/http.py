@@ -53,17 +53,21 @@ def parse_top_k(request: Request) -> int:
 
 
 def parse_deadline(request: Request, settings: Settings) -> Deadline:
-    """``X-Deadline-Ms``: a positive number of ms, default ``default_deadline_ms``, capped at ``max_deadline_ms``."""
+    """``X-Deadline-Ms``: a positive number of ms, default ``default_deadline_ms``, capped at ``max_deadline_ms``.
+
+    The ``Deadline`` returned ends ``answer_margin_ms`` earlier, so the answer is sent
+    by the client's deadline.
+    """
     raw = request.headers.get("x-deadline-ms")
     if raw is None:
-        return Deadline(settings.default_deadline_ms)
+        return Deadline(max(settings.default_deadline_ms - settings.answer_margin_ms, 0))
     try:
         budget = float(raw)
     except ValueError:
         raise InvalidParameter(f"X-Deadline-Ms must be a number of milliseconds, got {raw[:32]!r}") from None
     if not budget > 0 or budget != budget or budget == float("inf"):
         raise InvalidParameter(f"X-Deadline-Ms must be positive and finite, got {raw[:32]!r}")
-    return Deadline(min(budget, settings.max_deadline_ms))
+    return Deadline(max(min(budget, settings.max_deadline_ms) - settings.answer_margin_ms, 0))
 
 
 def parse_priority(request: Request) -> bool:

@@ -28,19 +28,20 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import numpy as np
+from PIL import Image
 
-from .admission import AdmissionGate, Shed, ThroughputMeter
+from .admission import AdmissionGate, Shed, ThroughputMeter, Ticket
 from .breaker import CircuitBreaker
 from .buckets import Bucket, choose_bucket, fit_to_bucket
 from .cache import CachedAnswer, ResultCache, content_key
 from .config import Settings
-from .deadline import Deadline
+from .deadline import Deadline, run_within
 from .decoding import DecodeLimits, decode_image
 from .errors import DecodeTimeout, Overloaded
 from .pool import BoundedPool, JobTimeout
 from .results import MAX_TOP_K, top_labels
 
-__all__ = ["RunnerAnswer", "ModelEndpoint", "Classifier", "decode_limits"]
+__all__ = ["RunnerAnswer", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "working_copy"]
 
 logger = logging.getLogger("rampart.pipeline")
 
@@ -86,13 +87,14 @@ def decode_limits(settings: Settings, buckets: list[Bucket]) -> DecodeLimits:
     )
 
 
-@dataclass(frozen=True)
+@dataclass
 class Prepared:
-    """A decoded upload, resized for both models: uint8 H×W×3 ``pixels`` per model ("primary", "fallback")."""
+    """A decoded upload: its content ``key``, an RGB working ``image`` (no side much above
+    ``min_decoded_side``) and, per role ("primary", "fallback"), its bucket and uint8 H×W×3 pixels."""
 
     key: bytes
-    buckets: dict[str, Bucket]
-    pixels: dict[str, np.ndarray]
+    image: Image.Image
+    inputs: dict[str, tuple[Bucket, np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -105,48 +107,72 @@ class Attempt:
 
 
 class ModelLane:
-    """One model as the pipeline drives it: endpoint, admission gate, optional breaker."""
+    """One model as the pipeline drives it: endpoint, admission gate, optional circuit breaker."""
 
     def __init__(self, role: str, endpoint: ModelEndpoint, gate: AdmissionGate, breaker: CircuitBreaker | None) -> None:
         self.role = role
         self.endpoint = endpoint
         self.gate = gate
         self.breaker = breaker
+        self.successes = 0  # answers in time, ever: the model's progress
 
-    async def attempt(self, bucket: Bucket, pixels: np.ndarray, deadline: Deadline, reserve_ms: float,
-                      high: bool) -> Attempt:
-        """Call the model within the deadline minus ``reserve_ms``, through the breaker and the gate."""
-        budget_s = deadline.remaining_s(reserve_ms)
+    def reserve(self, high: bool, budget_s: float) -> Ticket | Attempt:
+        """A ticket in the gate, or the refusal (``<role>_circuit_open`` / ``_overloaded`` / ``_timeout``)."""
         if budget_s <= 0:
             return Attempt(None, f"{self.role}_timeout", shed=True)
         if self.breaker is not None and not self.breaker.allow():
             return Attempt(None, f"{self.role}_circuit_open", shed=True)
+        try:
+            return self.gate.reserve(high, budget_s)
+        except Shed as shed:
+            self._record(None)
+            logger.debug("%s shed: %s", self.role, shed)
+            return Attempt(None, f"{self.role}_overloaded", shed=True)
+
+    def release(self, ticket: Ticket) -> None:
+        """Give back a ticket that will not be used (the upload was bad, or never got this far)."""
+        if ticket.queued:
+            ticket.cancel()
+            self._record(None)
+
+    async def attempt(self, ticket: Ticket, inputs: tuple[Bucket, np.ndarray], deadline: Deadline,
+                      reserve_ms: float) -> Attempt:
+        """Call the model with ``ticket`` within the deadline minus ``reserve_ms``."""
+        bucket, pixels = inputs
+        budget_s = deadline.remaining_s(reserve_ms)
         dispatched = False
+        progress_at_dispatch = self.successes
 
         async def admitted_call() -> RunnerAnswer:
-            nonlocal dispatched
-            async with self.gate.admit(high, budget_s):
-                dispatched = True
+            nonlocal dispatched, progress_at_dispatch
+            async with ticket.turn():
+                dispatched, progress_at_dispatch = True, self.successes
                 return await self.endpoint.call(bucket.name, pixels, deadline.wall_clock_at(reserve_ms))
 
+        def timed_out() -> Attempt:
+            # A late call is a failure for the breaker only if the model answered nothing
+            # else meanwhile: a hung or very slow model, not merely an overloaded one.
+            stalled = dispatched and self.successes == progress_at_dispatch
+            self._record(False if stalled else None)
+            return Attempt(None, f"{self.role}_timeout", shed=not dispatched)
+
         try:
-            answer = await asyncio.wait_for(admitted_call(), budget_s)
+            answer = await run_within(admitted_call(), budget_s)
         except Shed as shed:
             self._record(None)
             logger.debug("%s shed: %s", self.role, shed)
             return Attempt(None, f"{self.role}_overloaded", shed=True)
         except asyncio.TimeoutError:
-            self._record(False if dispatched else None)
-            return Attempt(None, f"{self.role}_timeout", shed=not dispatched)
+            return timed_out()
         except Exception as exc:  # any runner failure degrades; it never becomes a 5xx
             self._record(False)
             logger.warning("%s failed: %s: %s", self.endpoint.name, type(exc).__name__, exc)
             return Attempt(None, f"{self.role}_error")
         if answer.expired:
-            self._record(False)
-            return Attempt(None, f"{self.role}_timeout")
+            return timed_out()
+        self.successes += 1
         self._record(True)
-        self.gate.meter.record(answer.batch_size, answer.inference_ms)
+        self.gate.completed()
         return Attempt(answer)
 
     def _record(self, ok: bool | None) -> None:
@@ -172,6 +198,16 @@ class ModelLane:
         }
 
 
+@dataclass
+class Admission:
+    """What a request was granted on arrival: a ``primary`` ticket, or else a ``fallback``
+    ticket plus the primary's refusal ``primary_refused``."""
+
+    primary: Ticket | None = None
+    fallback: Ticket | None = None
+    primary_refused: Attempt | None = None
+
+
 class Classifier:
     """Classifies one upload within its deadline, degrading honestly; see the module doc."""
 
@@ -193,28 +229,59 @@ class Classifier:
         self.cache = ResultCache(settings.cache_size)
         self.limits = decode_limits(settings, [*primary.buckets.values(), *fallback.buckets.values()])
 
-    def _prepare(self, data: bytes) -> Prepared:
-        key = content_key(data)
-        image = decode_image(data, self.limits).image
-        buckets, pixels = {}, {}
-        for lane in (self.primary, self.fallback):
-            bucket = choose_bucket(*image.size, lane.endpoint.buckets)
-            buckets[lane.role] = bucket
-            pixels[lane.role] = fit_to_bucket(image, bucket, self.settings.crop_margin)
-        return Prepared(key, buckets, pixels)
+    def admit(self, deadline: Deadline, high: bool) -> Admission:
+        """Reserve a place for a request arriving now, before its body is read.
 
-    async def classify(self, data: bytes, top_k: int, deadline: Deadline, high: bool = False) -> dict:
+        A ticket for the primary, else one for the fallback; raises ``Overloaded``
+        (429) when neither model can take it, so shedding costs next to nothing.
+        """
+        primary = self.primary.reserve(high, deadline.remaining_s(self.settings.fallback_reserve_ms))
+        if isinstance(primary, Ticket):
+            return Admission(primary=primary)
+        fallback = self.fallback.reserve(high, deadline.remaining_s())
+        if isinstance(fallback, Ticket):
+            return Admission(fallback=fallback, primary_refused=primary)
+        raise Overloaded("both models are at capacity; retry later", self.primary.gate.retry_after_s())
+
+    def release(self, admission: Admission) -> None:
+        """Give back whatever tickets of ``admission`` were not used."""
+        for lane, ticket in ((self.primary, admission.primary), (self.fallback, admission.fallback)):
+            if ticket is not None:
+                lane.release(ticket)
+
+    def _prepare(self, data: bytes, roles: tuple[str, ...]) -> Prepared:
+        key = content_key(data)
+        image = working_copy(decode_image(data, self.limits).image, self.limits.min_decoded_side)
+        return Prepared(key, image, {role: self._fit(image, role) for role in roles})
+
+    def _fit(self, image: Image.Image, role: str) -> tuple[Bucket, np.ndarray]:
+        lane = self.primary if role == "primary" else self.fallback
+        bucket = choose_bucket(*image.size, lane.endpoint.buckets)
+        return bucket, fit_to_bucket(image, bucket, self.settings.crop_margin)
+
+    async def classify(self, data: bytes, top_k: int, deadline: Deadline, high: bool = False,
+                       admission: Admission | None = None) -> dict:
         """The response body for one image (see README, "API").
 
-        Raises ``rampart.errors.ImageError`` for a bad upload (``DecodeTimeout`` when
-        decoding runs past ``decode_timeout_ms``) and ``Overloaded`` when decoding
-        capacity is exhausted or both models shed the request and nothing is
-        cached; model failures never raise.
+        ``admission`` is what ``admit`` granted on arrival; without one, it is taken
+        now. Raises ``rampart.errors.ImageError`` for a bad upload (``DecodeTimeout``
+        when decoding runs past ``decode_timeout_ms``) and ``Overloaded`` when
+        decoding capacity is exhausted or both models shed the request and nothing
+        is cached; model failures never raise.
         """
+        admission = admission or self.admit(deadline, high)
+        try:
+            return await self._classify(data, top_k, deadline, high, admission)
+        finally:
+            self.release(admission)
+
+    async def _classify(self, data: bytes, top_k: int, deadline: Deadline, high: bool, admission: Admission) -> dict:
         start = time.perf_counter()
+        roles = ("primary",) if admission.primary is not None else ("fallback",)
         try:
             prepared = await self.pool.run(
-                self._prepare, data, high=high, budget_s=deadline.remaining_s(), run_limit_s=self.settings.decode_timeout_ms / 1000
+                self._prepare, data, roles, high=high, budget_s=deadline.remaining_s(),
+                run_limit_s=self.settings.decode_timeout_ms / 1000,
             )
         except JobTimeout as exc:
             if exc.by_run_limit:
@@ -222,24 +289,44 @@ class Classifier:
             return self._static_answer("deadline_exceeded", _ms_since(start), start)
         decode_ms = _ms_since(start)
 
-        lane, first = self.primary, None
-        attempt = await lane.attempt(prepared.buckets["primary"], prepared.pixels["primary"], deadline,
-                                     self.settings.fallback_reserve_ms, high)
-        if attempt.answer is None:
-            first = attempt
-            lane = self.fallback
-            attempt = await lane.attempt(prepared.buckets["fallback"], prepared.pixels["fallback"], deadline, 0.0, high)
-        if attempt.answer is None:
-            logger.warning("no model answered: %s, then %s", first.reason, attempt.reason)
-            cached = self.cache.get(prepared.key)
-            if cached is not None:
-                return self._cached_answer(cached, top_k, decode_ms, start)
-            if first.shed and attempt.shed:
-                raise Overloaded("both models are at capacity; retry later", self.primary.gate.retry_after_s())
-            return self._static_answer("no_model_available", decode_ms, start)
+        if admission.primary is not None:
+            first = await self.primary.attempt(admission.primary, prepared.inputs["primary"], deadline,
+                                               self.settings.fallback_reserve_ms)
+            if first.answer is not None:
+                return self._answer(self.primary, first.answer, prepared, top_k, decode_ms, start, None)
+            admission.fallback = self.fallback.reserve(high, deadline.remaining_s())
+            if isinstance(admission.fallback, Attempt):
+                second, admission.fallback = admission.fallback, None
+            else:
+                second = await self._fallback_attempt(prepared, admission.fallback, deadline)
+        else:
+            first = admission.primary_refused
+            second = await self._fallback_attempt(prepared, admission.fallback, deadline)
+        if second.answer is not None:
+            return self._answer(self.fallback, second.answer, prepared, top_k, decode_ms, start, first.reason)
 
-        endpoint, answer = lane.endpoint, attempt.answer
-        bucket = prepared.buckets[lane.role]
+        logger.warning("no model answered: %s, then %s", first.reason, second.reason)
+        cached = self.cache.get(prepared.key)
+        if cached is not None:
+            return self._cached_answer(cached, top_k, decode_ms, start)
+        if first.shed and second.shed:
+            raise Overloaded("both models are at capacity; retry later", self.primary.gate.retry_after_s())
+        return self._static_answer("no_model_available", decode_ms, start)
+
+    async def _fallback_attempt(self, prepared: Prepared, ticket: Ticket, deadline: Deadline) -> Attempt:
+        if "fallback" not in prepared.inputs:
+            try:
+                prepared.inputs["fallback"] = await self.pool.run(
+                    self._fit, prepared.image, "fallback", high=True, budget_s=deadline.remaining_s()
+                )
+            except (Overloaded, JobTimeout):
+                return Attempt(None, "fallback_timeout", shed=True)
+        return await self.fallback.attempt(ticket, prepared.inputs["fallback"], deadline, 0.0)
+
+    def _answer(self, lane: ModelLane, answer: RunnerAnswer, prepared: Prepared, top_k: int, decode_ms: float,
+                start: float, reason: str | None) -> dict:
+        endpoint = lane.endpoint
+        bucket = prepared.inputs[lane.role][0]
         labels = top_labels(answer.probs, endpoint.labels, MAX_TOP_K)
         model = {"name": endpoint.name, "version": endpoint.version}
         self.cache.put(prepared.key, CachedAnswer(labels, model, bucket.name))
@@ -247,8 +334,8 @@ class Classifier:
         return {
             "labels": labels[:top_k],
             "model": model,
-            "degraded": first is not None,
-            "degraded_reason": None if first is None else first.reason,
+            "degraded": reason is not None,
+            "degraded_reason": reason,
             "needs_review": False,
             "bucket": bucket.name,
             "timings_ms": _timings(decode_ms, max(total_ms - decode_ms - answer.inference_ms, 0.0),
@@ -285,6 +372,16 @@ class Classifier:
             "bucket": None,
             "timings_ms": _timings(decode_ms, 0.0, 0.0, _ms_since(start)),
         }
+
+
+def working_copy(image: Image.Image, min_side: int) -> Image.Image:
+    """``image`` shrunk by an integer box-filter factor (``Image.reduce``) while its short side stays ≥ ``min_side``.
+
+    Every bucket is smaller than ``min_side``/2, so nothing is lost, and the copy kept
+    for a possible fallback is small (≤ 4× ``min_side``² × aspect ratio × 3 bytes).
+    """
+    factor = min(image.size) // min_side
+    return image.reduce(factor) if factor >= 2 else image
 
 
 def _ms_since(start: float) -> float:

@@ -9,6 +9,7 @@ drop, counted), stacks the rest into a uint8 N×H×W×3 array and calls the engi
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -20,7 +21,7 @@ from pydantic import Field
 from rampart.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
 from rampart.faults import FaultInjector
 
-__all__ = ["RunnerItem", "RunnerResult", "BucketedRunner", "bucket_apis", "runner_service"]
+__all__ = ["RunnerItem", "RunnerResult", "BucketedRunner", "bucket_apis", "runner_service", "lower_cpu_priority"]
 
 
 class RunnerItem(bentoml.IODescriptor):
@@ -56,8 +57,13 @@ class BucketedRunner:
     faults: FaultInjector
     max_batch_size: int
 
-    def setup(self, resolution: int, faults: FaultInjector, max_batch_size: int) -> None:
-        """Set buckets, faults and counters; call once from the subclass ``__init__``."""
+    def setup(self, resolution: int, faults: FaultInjector, max_batch_size: int, nice: int = 0) -> None:
+        """Set buckets, faults and counters and lower this process's CPU priority to ``nice``.
+
+        Call once from the subclass ``__init__``, before warm-up creates the
+        inference threads (they inherit the niceness of the thread creating them).
+        """
+        lower_cpu_priority(nice)
         self.buckets = buckets_for_resolution(resolution)
         self.faults = faults
         self.max_batch_size = max_batch_size
@@ -121,6 +127,22 @@ class BucketedRunner:
         for row, i in enumerate(live):
             results[i] = RunnerResult(probs=probs[row], batch_size=len(live), inference_ms=inference_ms)
         return results
+
+
+def lower_cpu_priority(nice: int) -> None:
+    """Raise the niceness of every thread of this process to at least ``nice`` (Linux; no-op elsewhere).
+
+    Linux applies niceness per thread, so each task in ``/proc/self/task`` is set.
+    """
+    if nice <= 0 or not os.path.isdir("/proc/self/task"):
+        return
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            current = os.getpriority(os.PRIO_PROCESS, int(tid))
+            if current < nice:
+                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+        except OSError:
+            pass  # the thread ended meanwhile
 
 
 def runner_service(name: str, timeout_s: float, concurrent_batches: int):

@@ -33,5 +33,6 @@ class Fallback(BucketedRunner):
             meta["resolution"],
             FaultInjector("fallback", FaultSpec(error_rate=settings.fault_fallback_error_rate), settings.fault_file),
             settings.fallback_max_batch_size,
+            settings.fallback_nice,
         )
         self.warm_up()

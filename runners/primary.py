@@ -42,5 +42,6 @@ class Primary(BucketedRunner):
                 settings.fault_file,
             ),
             settings.primary_max_batch_size,
+            settings.primary_nice,
         )
         self.warm_up()

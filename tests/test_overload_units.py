@@ -20,13 +20,23 @@ from rampart.pool import BoundedPool, JobTimeout
 from runners.engines import TorchClassifier
 
 
-def test_meter_weights_images_not_batches_and_honours_override():
-    meter = ThroughputMeter(alpha=0.5)
+def test_meter_counts_completions_only_while_saturated_and_honours_override():
+    now = [0.0]
+    meter = ThroughputMeter(tau_s=5.0, clock=lambda: now[0])
     assert meter.ips is None
-    meter.seed(10.0)
+    meter.seed(10.0)  # warm-up: 10 ms per image
     assert meter.ips == pytest.approx(100.0)
-    meter.record(batch_size=4, inference_ms=20.0)  # 5 ms per image
-    assert meter.ms_per_image == pytest.approx(7.5)
+    meter.completed(50)  # not saturated: says nothing about capacity
+    assert meter.ips == pytest.approx(100.0)
+    meter.saturated(True)
+    for _ in range(300):  # 30 s saturated at 20 images/s
+        now[0] += 0.1
+        meter.completed(2)
+    assert meter.ips == pytest.approx(20.0, rel=0.02)
+    for _ in range(20):  # 2 s saturated with nothing completing (timeouts): the estimate falls
+        now[0] += 0.1
+        meter.completed(0)
+    assert meter.ips < 15.0
     assert ThroughputMeter(override_ips=200).ips == pytest.approx(200)
 
 
@@ -39,7 +49,8 @@ def test_queue_limit_is_throughput_times_delay_the_seed_rule():
 
 async def _hold(gate: AdmissionGate, high: bool, budget_s: float, release: asyncio.Event, order: list) -> str:
     try:
-        async with gate.admit(high, budget_s):
+        ticket = gate.reserve(high, budget_s)
+        async with ticket.turn():
             order.append("high" if high else "normal")
             await release.wait()
         return "served"
@@ -52,7 +63,7 @@ def test_gate_orders_high_first_sheds_when_full_and_evicts_normal_for_high():
         gate = AdmissionGate("m", max_batch_size=2, concurrent_batches=1, queue_delay_ms=1,
                              meter=ThroughputMeter())  # window 4, queue limit 2 (one batch)
         release, order = asyncio.Event(), []
-        tasks = [asyncio.create_task(_hold(gate, False, 10, release, order)) for _ in range(6)]
+        tasks = [asyncio.create_task(_hold(gate, False, 10, release, order)) for _ in range(7)]
         await asyncio.sleep(0.01)
         assert gate.dispatched == 4 and gate.queued == 2
         high = asyncio.create_task(_hold(gate, True, 10, release, order))
@@ -62,28 +73,28 @@ def test_gate_orders_high_first_sheds_when_full_and_evicts_normal_for_high():
         return results, order
 
     results, order = asyncio.run(scenario())
-    assert results[:4] == ["served"] * 4
-    assert results[4] == "served" and results[5] == "evicted"  # the newest normal made room for the high one
-    assert results[6] == "served"
-    assert order[4] == "high"  # admitted ahead of the normal request that arrived before it
+    assert results[:5] == ["served"] * 5
+    assert results[5] == "evicted"  # the newest queued normal request made room for the high one
+    assert results[6] == "queue_full"  # 4 dispatched + 2 queued: full
+    assert results[7] == "served"
+    assert order[4] == "high"  # dispatched ahead of the normal request queued before it
 
 
 def test_gate_sheds_when_predicted_completion_exceeds_the_budget():
     gate = AdmissionGate("m", max_batch_size=4, concurrent_batches=1, queue_delay_ms=1000,
                          meter=ThroughputMeter(override_ips=10))  # 100 ms per image
     gate.dispatched = 8
-
-    async def try_admit():
-        async with gate.admit(False, budget_s=0.5):
-            pass
-
     with pytest.raises(Shed) as shed:
-        asyncio.run(try_admit())
-    assert shed.value.reason == "predicted_late" and gate.dispatched == 8
+        gate.reserve(False, budget_s=0.5)
+    assert shed.value.reason == "predicted_late" and gate.queued == 0
     assert gate.predicted_s(high=False) == pytest.approx(0.9)  # (8 ahead + itself) x 100 ms
+    high = gate.reserve(True, budget_s=1.0)
+    assert gate.predicted_s(high=False) == pytest.approx(1.0) and gate.predicted_s(high=True) == pytest.approx(1.0)
+    high.cancel()
+    assert gate.queued == 0
 
 
-def test_gate_releases_slot_when_waiter_is_cancelled():
+def test_gate_gives_back_cancelled_and_abandoned_tickets():
     async def scenario():
         gate = AdmissionGate("m", max_batch_size=1, concurrent_batches=1, queue_delay_ms=1, meter=ThroughputMeter())
         release, order = asyncio.Event(), []
@@ -91,12 +102,14 @@ def test_gate_releases_slot_when_waiter_is_cancelled():
         waiter = asyncio.create_task(_hold(gate, False, 10, release, order))
         await asyncio.sleep(0.01)
         waiter.cancel()
+        await asyncio.sleep(0.01)
+        gate.reserve(False, 10).cancel()  # a bad upload gives its place back
         release.set()
         await asyncio.gather(*holders)
         return gate
 
     gate = asyncio.run(scenario())
-    assert gate.dispatched == 0 and gate.queued == 0
+    assert gate.dispatched == 0 and gate.queued == 0 and gate.queued_high == 0
 
 
 def test_breaker_opens_on_failure_rate_then_half_open_probes_close_it():
