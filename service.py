@@ -15,6 +15,7 @@ Routes:
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 
 import bentoml
@@ -24,9 +25,11 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from rampart import http
+from rampart.bentoml_fixes import cancel_request_timers
 from rampart.buckets import buckets_for_resolution
 from rampart.config import get_settings
 from rampart.errors import InternalError, InvalidParameter, RampartError
+from rampart.looplag import LoopLagMonitor
 from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer
 from rampart.pool import BoundedPool
 from runners.common import RunnerItem
@@ -35,6 +38,7 @@ from runners.primary import Primary
 
 logger = logging.getLogger("rampart.service")
 settings = get_settings()
+cancel_request_timers()  # BentoML 1.4.29 keeps every request alive for traffic.timeout: see the module
 
 
 def model_endpoint(tag: str, runner) -> ModelEndpoint:
@@ -73,7 +77,7 @@ async def classify(request: Request) -> JSONResponse:
     request_id = http.request_id_of(request)
     try:
         top_k = http.parse_top_k(request)
-        deadline = http.parse_deadline(request, settings)
+        deadline = http.parse_deadline(request, settings, service().loop_lag_ms())
         high = http.parse_priority(request)
         classifier = service().classifier
         admission = classifier.admit(deadline, high)  # sheds (429) before the body is read
@@ -103,7 +107,7 @@ async def classify_batch(request: Request) -> JSONResponse:
     request_id = http.request_id_of(request)
     try:
         top_k = http.parse_top_k(request)
-        deadline = http.parse_deadline(request, settings)
+        deadline = http.parse_deadline(request, settings, service().loop_lag_ms())
         high = http.parse_priority(request)
         if not http.is_multipart(request):
             raise InvalidParameter("send multipart/form-data with one or more parts named 'images'")
@@ -176,9 +180,19 @@ class Rampart:
             settings,
             model_endpoint(settings.primary_model, self.primary),
             model_endpoint(settings.fallback_model, self.fallback),
-            BoundedPool(settings.decode_workers, settings.decode_queue),
+            BoundedPool(settings.decode_workers, settings.decode_queue, nice=settings.decode_nice),
         )
+        self.loop_lag = LoopLagMonitor()
         self._ready = False
+        # Move everything built at start-up out of the garbage collector's reach, so
+        # collections under load scan only request-time objects (Python gc.freeze docs).
+        gc.collect()
+        gc.freeze()
+
+    def loop_lag_ms(self) -> float:
+        """The event loop's recent lag (ms), kept back from each new deadline; starts the monitor."""
+        self.loop_lag.ensure_started()
+        return self.loop_lag.recent_ms
 
     async def __is_ready__(self) -> bool:
         """Ready once both runners have finished warm-up; their warm-up speed seeds the throughput meters."""

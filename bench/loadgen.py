@@ -5,6 +5,7 @@
 - ``open_loop(url, bodies, rate, duration_s)``: Poisson arrivals at ``rate`` per
   second, independent of how fast answers come back, the way real overload
   arrives; each arrival is its own task.
+- ``burst(url, bodies, count)``: ``count`` requests at the same instant.
 - ``summarize(samples, ...)``: throughput, P50/P90/P99, goodput (answers within
   their deadline), shed, degraded and late counts.
 
@@ -28,7 +29,7 @@ from dataclasses import asdict, dataclass
 import aiohttp
 import numpy as np
 
-__all__ = ["Sample", "load_bodies", "unique", "closed_loop", "open_loop", "summarize", "as_dicts"]
+__all__ = ["Sample", "load_bodies", "unique", "closed_loop", "open_loop", "burst", "summarize", "as_dicts"]
 
 
 @dataclass(frozen=True)
@@ -74,8 +75,22 @@ def load_bodies(max_side: int = 480) -> list[bytes]:
 
 def _client(max_connections: int) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=max_connections), timeout=aiohttp.ClientTimeout(total=120.0)
+        connector=aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=300),
+        timeout=aiohttp.ClientTimeout(total=120.0),
     )
+
+
+async def _open_connections(client: aiohttp.ClientSession, url: str, count: int) -> None:
+    """Open ``count`` keep-alive connections (``GET /livez``) before the clock starts, as a
+    long-running client would have: connection set-up is not what the run measures."""
+    base = url.split("/", 3)
+    livez = "/".join(base[:3]) + "/livez"
+
+    async def one() -> None:
+        async with client.get(livez) as response:
+            await response.read()
+
+    await asyncio.gather(*(one() for _ in range(count)))
 
 
 def unique(body: bytes) -> bytes:
@@ -104,12 +119,10 @@ async def _send(client: aiohttp.ClientSession, url: str, body: bytes, deadline_m
 
 
 async def closed_loop(url: str, bodies: list[bytes], clients: int, duration_s: float,
-                      deadline_ms: float = 10_000, seed: int = 0) -> list[Sample]:
+                      deadline_ms: float = 10_000) -> list[Sample]:
     """``clients`` concurrent senders for ``duration_s`` seconds; returns every sample."""
     samples: list[Sample] = []
-    rng = random.Random(seed)
-    origin = time.perf_counter()
-    stop = origin + duration_s
+    origin = stop = 0.0  # set once the connections are open
 
     async def sender(client: aiohttp.ClientSession, index: int) -> None:
         i = index
@@ -119,6 +132,9 @@ async def closed_loop(url: str, bodies: list[bytes], clients: int, duration_s: f
             i += clients
 
     async with _client(clients) as client:
+        await _open_connections(client, url, clients)
+        origin = time.perf_counter()
+        stop = origin + duration_s
         await asyncio.gather(*(sender(client, i) for i in range(clients)))
     return samples
 
@@ -127,9 +143,11 @@ async def open_loop(url: str, bodies: list[bytes], rate: float, duration_s: floa
                     high_fraction: float = 0.0, seed: int = 0) -> list[Sample]:
     """Poisson arrivals at ``rate`` requests/s for ``duration_s`` s; ``high_fraction`` sent with ``X-Priority: high``."""
     rng = random.Random(seed)
-    origin = time.perf_counter()
     tasks = []
-    async with _client(max(64, int(rate * deadline_ms / 1000 * 4))) as client:
+    connections = max(64, int(rate * deadline_ms / 1000 * 2))
+    async with _client(connections) as client:
+        await _open_connections(client, url, min(connections, 512))
+        origin = time.perf_counter()
         next_at, i = 0.0, 0
         while next_at < duration_s:
             delay = origin + next_at - time.perf_counter()
@@ -141,6 +159,18 @@ async def open_loop(url: str, bodies: list[bytes], rate: float, duration_s: floa
             i += 1
             next_at += rng.expovariate(rate)
         return list(await asyncio.gather(*tasks))
+
+
+async def burst(url: str, bodies: list[bytes], count: int, deadline_ms: float = 1000,
+                high_every: int = 0) -> list[Sample]:
+    """``count`` requests sent at once; every ``high_every``-th (if > 0) with ``X-Priority: high``."""
+    async with _client(count) as client:
+        await _open_connections(client, url, count)
+        origin = time.perf_counter()
+        return list(await asyncio.gather(*(
+            _send(client, url, unique(bodies[i % len(bodies)]), deadline_ms, high_every > 0 and i % high_every == 0, origin)
+            for i in range(count)
+        )))
 
 
 def _percentile(values: list[float], q: float) -> float | None:

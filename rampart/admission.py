@@ -11,7 +11,7 @@ Queued requests include those still being decoded: the place is reserved on
 arrival. The wait queue is bounded by measured throughput × the acceptable queueing delay
 (``queue_delay_ms``), as in the seed's sizing rule: 200 img/s × 0.2 s = 40. The
 throughput comes from ``ThroughputMeter``: seeded by the runner's warm-up, then
-measured online from completions while the model is saturated, or fixed by
+measured online from completions while the model is busy, or fixed by
 configuration.
 
 On arrival, before its body is even read (``AdmissionGate.reserve``, a few
@@ -20,8 +20,9 @@ microseconds, no I/O), a request takes a ``Ticket`` or is shed with ``Shed`` whe
 - the gate is full (``queue_full``); a high-priority arrival instead evicts the
   newest queued normal request, which is shed with ``evicted``;
 - the predicted completion time exceeds what is left of its deadline
-  (``predicted_late``): the images ahead of it and itself times the measured
-  time per image.
+  (``predicted_late``): the images ahead of it and itself (rounded up to whole
+  batches when a batch is full) times the measured time per image. The check is
+  made again when the request's turn comes, after decoding.
 
 The caller then tries the next model in the chain (see ``rampart.pipeline``).
 """
@@ -34,7 +35,7 @@ import itertools
 import math
 import time
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 __all__ = ["Shed", "ThroughputMeter", "Ticket", "AdmissionGate"]
 
@@ -48,17 +49,16 @@ class Shed(Exception):
 
 
 class ThroughputMeter:
-    """Images per second one model completes while it is saturated, measured online.
+    """Images per second one model completes while it is busy, measured online.
 
-    The gate reports when the model is saturated (at least one full batch
-    dispatched) and each image answered in time. Throughput is images completed
-    while saturated divided by time spent saturated, both exponentially decayed
-    with time constant ``tau_s``: it sees everything that slows the model down
-    (contention for the CPU or GPU, transport, batching waits), and calls that
-    time out add time but no images. While the model is not saturated the
-    estimate keeps its last value: light load says nothing about capacity. The
-    runner's warm-up (a timed full batch) seeds it; ``override_ips`` > 0 fixes it
-    instead (setting ``<model>_throughput_ips``).
+    The gate reports when the model is busy (anything dispatched) and each image
+    answered in time. Throughput is images completed while busy divided by time
+    spent busy, both exponentially decayed with time constant ``tau_s``. It sees
+    everything that slows the model down at the current load (batch sizes,
+    batches of the three buckets taking turns, contention for the CPU or GPU,
+    transport), and calls that time out add time but no images. Idle time is not
+    counted. The runner's warm-up (a timed full batch) seeds it; ``override_ips``
+    > 0 fixes it instead (setting ``<model>_throughput_ips``).
     """
 
     def __init__(self, override_ips: float = 0.0, tau_s: float = 5.0, clock=time.monotonic) -> None:
@@ -67,7 +67,7 @@ class ThroughputMeter:
         self.clock = clock
         self._images = 0.0
         self._busy_s = 0.0
-        self._saturated = False
+        self._busy = False
         self._last = clock()
 
     def seed(self, ms_per_image: float) -> None:
@@ -75,22 +75,21 @@ class ThroughputMeter:
         if self._busy_s == 0 and ms_per_image > 0:
             self._images, self._busy_s = 1000.0 / ms_per_image, 1.0
 
-    def saturated(self, saturated: bool) -> None:
-        """The model is (or is no longer) saturated from now on."""
+    def busy(self, busy: bool) -> None:
+        """The model is (or is no longer) busy from now on."""
         self._advance()
-        self._saturated = saturated
+        self._busy = busy
 
     def completed(self, images: int = 1) -> None:
         """``images`` were answered just now."""
         self._advance()
-        if self._saturated:
-            self._images += images
+        self._images += images
 
     def _advance(self) -> None:
         now = self.clock()
         decay = math.exp(-(now - self._last) / self.tau_s)
         self._images *= decay
-        self._busy_s = self._busy_s * decay + (self.tau_s * (1.0 - decay) if self._saturated else 0.0)
+        self._busy_s = self._busy_s * decay + (self.tau_s * (1.0 - decay) if self._busy else 0.0)
         self._last = now
 
     @property
@@ -126,10 +125,14 @@ class Ticket:
         self.evicted = False
 
     @asynccontextmanager
-    async def turn(self) -> AsyncIterator[None]:
+    async def turn(self, remaining_s: Callable[[], float] | None = None) -> AsyncIterator[None]:
         """Wait for dispatch (high priority first, then arrival order), then hold the slot.
 
-        Call ``gate.completed()`` for an answer that came back in time.
+        At dispatch the prediction is made again with ``remaining_s()`` (seconds
+        left, if given): a request that can no longer finish in time is not sent
+        (``Shed("predicted_late")``), so the model spends nothing on it and the
+        fallback gets the time that is left. Call ``gate.completed()`` for an
+        answer that came back in time.
         """
         gate = self.gate
         if self.evicted:
@@ -148,6 +151,9 @@ class Ticket:
                     self.cancel()
                 raise
         try:
+            alone = gate.dispatched == 1  # an idle model always gets a try: the meter may be stale
+            if remaining_s is not None and not alone and gate.completion_s(gate.dispatched) > remaining_s():
+                raise Shed("predicted_late", f"{gate.name}: {gate.dispatched} images ahead no longer fit the deadline")
             yield
         finally:
             gate._release()
@@ -200,14 +206,24 @@ class AdmissionGate:
     def predicted_s(self, high: bool) -> float:
         """Predicted seconds until a request arriving now with priority ``high`` is answered.
 
-        The images ahead of it (dispatched, plus queued at its priority or higher)
-        and itself, times the measured time per image; 0 before anything was measured.
+        See ``completion_s``; the images ahead are those dispatched plus those queued
+        at its priority or higher.
+        """
+        return self.completion_s(self.dispatched + (self.queued_high if high else self.queued) + 1)
+
+    def completion_s(self, images: int) -> float:
+        """Predicted seconds until the last of ``images`` (the request itself and those ahead) is answered.
+
+        ``images`` × the measured time per image; when at least a full batch is in
+        line, rounded up to whole batches, because a batch is answered only when all
+        of it is done. 0 before anything was measured.
         """
         ms = self.meter.ms_per_image
         if ms is None:
             return 0.0
-        ahead = self.queued_high if high else self.queued
-        return (self.dispatched + ahead + 1) * ms / 1000.0
+        if images > self.max_batch_size:
+            images = math.ceil(images / self.max_batch_size) * self.max_batch_size
+        return images * ms / 1000.0
 
     def reserve(self, high: bool, budget_s: float) -> Ticket:
         """Admit a request that has ``budget_s`` seconds left, or raise ``Shed`` at once.
@@ -244,14 +260,11 @@ class AdmissionGate:
     def _take(self, ticket: Ticket) -> None:
         self._forget(ticket)
         self.dispatched += 1
-        self._update_saturation()
-
-    def _update_saturation(self) -> None:
-        self.meter.saturated(self.dispatched >= self.max_batch_size)
+        self.meter.busy(self.dispatched > 0)
 
     def _release(self) -> None:
         self.dispatched -= 1
-        self._update_saturation()
+        self.meter.busy(self.dispatched > 0)
         while self._heap and self.dispatched < self.window:
             _, _, ticket = heapq.heappop(self._heap)
             if ticket.queued and ticket.future is not None and not ticket.future.done():

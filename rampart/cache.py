@@ -3,8 +3,9 @@
 When both models fail (or are both full), an upload whose exact bytes were
 classified before gets that earlier answer, marked ``degraded_reason:
 cached_result``. Keys are SHA-256 digests of the upload bytes; values are the
-top labels (the most a request may ask for) and the model that produced them.
-``max_entries`` 0 turns the cache off.
+top classes (the most a request may ask for) as two small numpy arrays, which the
+garbage collector never has to scan, and the role of the model that produced
+them. ``max_entries`` 0 turns the cache off.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import numpy as np
 
 __all__ = ["CachedAnswer", "ResultCache", "content_key"]
 
@@ -23,10 +26,12 @@ def content_key(data: bytes) -> bytes:
 
 @dataclass(frozen=True)
 class CachedAnswer:
-    """``labels``: [{"label", "score"}] best first; ``model``: {"name", "version"}; ``bucket`` name."""
+    """Top classes best first: int32 ``indices`` (k,) and float32 ``scores`` (k,); the ``role``
+    ("primary" or "fallback") of the model that answered and the ``bucket`` name."""
 
-    labels: list[dict]
-    model: dict
+    indices: np.ndarray
+    scores: np.ndarray
+    role: str
     bucket: str
 
 

@@ -42,6 +42,9 @@ class Settings(BaseModel):
     # hold only their compressed bytes (already read); decoded pixels exist only in workers.
     decode_workers: int = Field(2, ge=1)
     decode_queue: int = Field(512, ge=0)
+    # Niceness of the decode threads: the event loop thread, which answers and sheds,
+    # stays ahead of them for the CPU.
+    decode_nice: int = Field(5, ge=0, le=19)
     # Longest one decode may run before the upload is refused (422 decode_timeout).
     decode_timeout_ms: int = Field(3000, gt=0)
 

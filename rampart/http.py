@@ -52,22 +52,23 @@ def parse_top_k(request: Request) -> int:
     return top_k
 
 
-def parse_deadline(request: Request, settings: Settings) -> Deadline:
+def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.0) -> Deadline:
     """``X-Deadline-Ms``: a positive number of ms, default ``default_deadline_ms``, capped at ``max_deadline_ms``.
 
-    The ``Deadline`` returned ends ``answer_margin_ms`` earlier, so the answer is sent
-    by the client's deadline.
+    The ``Deadline`` returned ends ``answer_margin_ms`` + ``loop_lag_ms`` (the event
+    loop's recent lag) earlier, so the answer is sent by the client's deadline.
     """
+    margin_ms = settings.answer_margin_ms + loop_lag_ms
     raw = request.headers.get("x-deadline-ms")
     if raw is None:
-        return Deadline(max(settings.default_deadline_ms - settings.answer_margin_ms, 0))
+        return Deadline(max(settings.default_deadline_ms - margin_ms, 0))
     try:
         budget = float(raw)
     except ValueError:
         raise InvalidParameter(f"X-Deadline-Ms must be a number of milliseconds, got {raw[:32]!r}") from None
     if not budget > 0 or budget != budget or budget == float("inf"):
         raise InvalidParameter(f"X-Deadline-Ms must be positive and finite, got {raw[:32]!r}")
-    return Deadline(max(min(budget, settings.max_deadline_ms) - settings.answer_margin_ms, 0))
+    return Deadline(max(min(budget, settings.max_deadline_ms) - margin_ms, 0))
 
 
 def parse_priority(request: Request) -> bool:

@@ -39,7 +39,7 @@ from .deadline import Deadline, run_within
 from .decoding import DecodeLimits, decode_image
 from .errors import DecodeTimeout, Overloaded
 from .pool import BoundedPool, JobTimeout
-from .results import MAX_TOP_K, top_labels
+from .results import MAX_TOP_K, label_entries, top_classes
 
 __all__ = ["RunnerAnswer", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "working_copy"]
 
@@ -145,7 +145,7 @@ class ModelLane:
 
         async def admitted_call() -> RunnerAnswer:
             nonlocal dispatched, progress_at_dispatch
-            async with ticket.turn():
+            async with ticket.turn(lambda: deadline.remaining_s(reserve_ms)):
                 dispatched, progress_at_dispatch = True, self.successes
                 return await self.endpoint.call(bucket.name, pixels, deadline.wall_clock_at(reserve_ms))
 
@@ -327,13 +327,12 @@ class Classifier:
                 start: float, reason: str | None) -> dict:
         endpoint = lane.endpoint
         bucket = prepared.inputs[lane.role][0]
-        labels = top_labels(answer.probs, endpoint.labels, MAX_TOP_K)
-        model = {"name": endpoint.name, "version": endpoint.version}
-        self.cache.put(prepared.key, CachedAnswer(labels, model, bucket.name))
+        indices, scores = top_classes(answer.probs, MAX_TOP_K)
+        self.cache.put(prepared.key, CachedAnswer(indices, scores, lane.role, bucket.name))
         total_ms = _ms_since(start)
         return {
-            "labels": labels[:top_k],
-            "model": model,
+            "labels": label_entries(indices[:top_k], scores[:top_k], endpoint.labels),
+            "model": {"name": endpoint.name, "version": endpoint.version},
             "degraded": reason is not None,
             "degraded_reason": reason,
             "needs_review": False,
@@ -352,9 +351,10 @@ class Classifier:
         }
 
     def _cached_answer(self, cached: CachedAnswer, top_k: int, decode_ms: float, start: float) -> dict:
+        endpoint = (self.primary if cached.role == "primary" else self.fallback).endpoint
         return {
-            "labels": cached.labels[:top_k],
-            "model": cached.model,
+            "labels": label_entries(cached.indices[:top_k], cached.scores[:top_k], endpoint.labels),
+            "model": {"name": endpoint.name, "version": endpoint.version},
             "degraded": True,
             "degraded_reason": "cached_result",
             "needs_review": False,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -39,15 +40,17 @@ class JobTimeout(Exception):
 
 
 class BoundedPool:
-    """``workers`` threads plus a wait queue of ``queue`` jobs; ``retry_after_s`` goes into 429s."""
+    """``workers`` threads (at niceness ``nice``) plus a wait queue of ``queue`` jobs; ``retry_after_s`` goes into 429s."""
 
-    def __init__(self, workers: int, queue: int, retry_after_s: float = 1.0, name: str = "rampart-decode") -> None:
+    def __init__(self, workers: int, queue: int, retry_after_s: float = 1.0, name: str = "rampart-decode",
+                 nice: int = 0) -> None:
         self.capacity = workers + queue
         self.retry_after_s = retry_after_s
         self._cond = threading.Condition()
         self._heap: list[tuple[int, int, Future, Callable, tuple]] = []
         self._seq = itertools.count()
         self._pending = 0
+        self.nice = nice
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)
         ]
@@ -110,6 +113,11 @@ class BoundedPool:
         raise JobTimeout(ran_s, by_run_limit=run_limit_s <= left_s)
 
     def _work(self) -> None:
+        if self.nice > 0:
+            try:  # Linux: niceness is per thread
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
+            except OSError:
+                pass
         while True:
             with self._cond:
                 while not self._heap:

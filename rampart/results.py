@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["MAX_TOP_K", "softmax", "top_labels"]
+__all__ = ["MAX_TOP_K", "softmax", "top_classes", "label_entries", "top_labels"]
 
 #: Most labels a request may ask for (``top_k``).
 MAX_TOP_K = 20
@@ -23,6 +23,22 @@ def softmax(logits: np.ndarray) -> np.ndarray:
     return exp / exp.sum(axis=1, keepdims=True)
 
 
+def top_classes(probs: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` most probable classes of a 1-D probability vector, highest first.
+
+    Returns (int32 indices (k,), float32 scores (k,)); ``k`` is capped at the vector's length.
+    """
+    k = min(k, probs.shape[0])
+    top = np.argpartition(-probs, k - 1)[:k]
+    top = top[np.argsort(-probs[top], kind="stable")]
+    return top.astype(np.int32), probs[top].astype(np.float32)
+
+
+def label_entries(indices: np.ndarray, scores: np.ndarray, labels: Sequence[str]) -> list[dict]:
+    """API ``labels`` entries: ``[{"index": int, "label": str, "score": float}, ...]`` in the given order."""
+    return [{"index": int(i), "label": labels[i], "score": float(p)} for i, p in zip(indices, scores)]
+
+
 def top_labels(probs: np.ndarray, labels: Sequence[str], k: int) -> list[dict]:
     """The ``k`` most probable classes of one 1-D probability vector, highest first.
 
@@ -31,7 +47,4 @@ def top_labels(probs: np.ndarray, labels: Sequence[str], k: int) -> list[dict]:
     """
     if probs.shape != (len(labels),):
         raise ValueError(f"probabilities have shape {probs.shape}, labels have length {len(labels)}")
-    k = min(k, len(labels))
-    top = np.argpartition(-probs, k - 1)[:k]
-    top = top[np.argsort(-probs[top], kind="stable")]
-    return [{"index": int(i), "label": labels[i], "score": float(probs[i])} for i in top]
+    return label_entries(*top_classes(probs, k), labels)

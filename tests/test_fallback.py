@@ -7,11 +7,9 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import PHOTOS, encode, photo
+from tests.conftest import PHOTOS, SLACK_MS, encode, photo
 
 DEADLINE_MS = 800
-#: Documented slack (README, "Deadlines") between the deadline and the last byte of the answer.
-SLACK_MS = 200
 
 
 @pytest.fixture(scope="module")
