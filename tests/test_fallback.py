@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import time
 
 import httpx
@@ -54,3 +57,85 @@ def test_primary_error_falls_back_with_reason(start_server):
     result = response.json()
     assert result["degraded_reason"] == "primary_error" and result["model"]["name"] == "rampart-fallback"
     assert {label["index"] for label in result["labels"][:3]} & PHOTOS["coffee"]
+
+
+def test_slow_primary_under_concurrency_answers_every_request_in_time(slow_server):
+    """24 requests at once against a primary that takes 3 s per batch: all answered by the deadline."""
+    names = sorted(PHOTOS) * 6
+    bodies = [encode(photo(name)) for name in sorted(PHOTOS)]
+
+    async def drive():
+        async with httpx.AsyncClient(base_url=slow_server.url, timeout=10) as client:
+            async def one(i: int):
+                started = time.monotonic()
+                response = await client.post("/classify", content=bodies[i % len(bodies)],
+                                             headers={"X-Deadline-Ms": str(DEADLINE_MS)})
+                return names[i], response, (time.monotonic() - started) * 1000
+
+            return await asyncio.gather(*(one(i) for i in range(len(names))))
+
+    for name, response, elapsed_ms in asyncio.run(drive()):
+        assert response.status_code in (200, 429), response.text
+        assert elapsed_ms <= DEADLINE_MS + SLACK_MS
+        if response.status_code == 200:
+            result = response.json()
+            assert result["degraded"] is True and result["model"]["name"] == "rampart-fallback", result
+            assert {label["index"] for label in result["labels"][:3]} & PHOTOS[name]
+
+
+def write_faults(path, **faults) -> None:
+    """Replace the fault file atomically (the runners re-read it when it changes)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(faults))
+    os.replace(tmp, path)
+
+
+def test_fault_drill_cache_static_answer_breaker_open_and_close(start_server, tmp_path):
+    """One server, faults switched at run time through RAMPART_FAULT_FILE."""
+    faults = tmp_path / "faults.json"
+    write_faults(faults)
+    # A 500 ms fallback reserve: until the breaker opens, 8 concurrent requests share it on 2 CPU cores.
+    server = start_server(RAMPART_FAULT_FILE=str(faults), RAMPART_BREAKER_MIN_CALLS=4, RAMPART_BREAKER_OPEN_MS=1000,
+                          RAMPART_FALLBACK_RESERVE_MS=500)
+    chelsea, coffee = encode(photo("chelsea")), encode(photo("coffee"))
+    with httpx.Client(base_url=server.url, timeout=10) as client:
+        healthy = client.post("/classify", content=chelsea).json()
+        assert healthy["degraded"] is False and healthy["model"]["name"] == "rampart-primary"
+
+        # Both models fail: identical bytes get the cached answer, new bytes the static one. No 5xx.
+        write_faults(faults, fault_primary_error_rate=1.0, fault_fallback_error_rate=1.0)
+        cached = client.post("/classify", content=chelsea)
+        assert cached.status_code == 200, cached.text
+        assert cached.json()["degraded_reason"] == "cached_result"
+        assert cached.json()["labels"] == healthy["labels"] and cached.json()["model"] == healthy["model"]
+        static = client.post("/classify", content=coffee)
+        assert static.status_code == 200, static.text
+        assert static.json()["degraded_reason"] == "no_model_available" and static.json()["needs_review"] is True
+
+        # The primary hangs: the fallback answers everything and the breaker opens.
+        write_faults(faults, fault_primary_hang=True)
+
+        async def round_of(n: int) -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as aclient:
+                return await asyncio.gather(*(aclient.post("/classify", content=coffee) for _ in range(n)))
+
+        for response in asyncio.run(round_of(8)) + asyncio.run(round_of(8)):
+            assert response.status_code == 200, response.text
+            assert (response.json()["model"] or {}).get("name") == "rampart-fallback", response.text
+        assert client.get("/stats").json()["primary"]["breaker"] == "open"
+        during = client.post("/classify", content=coffee).json()
+        assert during["degraded_reason"] == "primary_circuit_open"
+
+        # The fault ends: half-open probes succeed and the breaker closes again.
+        write_faults(faults)
+        states, deadline = [], time.monotonic() + 30
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            answer = client.post("/classify", content=chelsea).json()
+            states.append(client.get("/stats").json()["primary"]["breaker"])
+            if states[-1] == "closed" and answer["degraded"] is False:
+                break
+        assert states[-1] == "closed", states
+        assert "half_open" in states or states[0] == "closed"
+        stats = client.get("/stats").json()
+        assert stats["primary"]["runner"]["ttl_dropped"] > 0  # the hung batch's items expired in the runner

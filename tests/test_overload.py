@@ -63,10 +63,9 @@ def test_high_priority_burst_is_shed_less_and_answered_sooner(server):
     def shed_rate(group):  # refused with 429
         return sum(1 for s in group if s.status == 429) / len(group)
 
-    def p99(group):  # of the requests answered with a result
-        return float(np.percentile([s.latency_ms for s in group if s.status == 200], 99))
+    def p99(group):  # time to a result; a shed request never gets one
+        return float(np.percentile([s.latency_ms if s.status == 200 else np.inf for s in group], 99))
 
     report = {"high": (shed_rate(high), p99(high)), "normal": (shed_rate(normal), p99(normal))}
-    print("priority burst", report)
     assert shed_rate(high) < shed_rate(normal), report
     assert p99(high) < p99(normal), report
