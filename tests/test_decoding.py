@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import struct
+import time
 import zlib
 
 import numpy as np
@@ -145,11 +146,38 @@ def test_large_jpeg_is_draft_decoded_not_full_size():
     assert min(decoded.image.size) >= LIMITS.min_decoded_side // 2 and max(decoded.image.size) <= 7680 // 2
 
 
-def test_animated_gif_uses_the_first_frame_and_caps_frames():
-    frames = [Image.new("RGB", (32, 32), (i, 0, 0)) for i in range(0, 250, 50)]
+@pytest.mark.parametrize("fmt", ["GIF", "WEBP", "TIFF"])
+def test_multi_frame_images_use_the_first_frame_and_cap_frames(fmt):
+    frames = [Image.new("RGB", (32, 32), (i, 0, 0)) for i in range(0, 250, 50)]  # 5 frames, red rising
     buffer = io.BytesIO()
-    frames[0].save(buffer, "GIF", save_all=True, append_images=frames[1:])
+    frames[0].save(buffer, fmt, save_all=True, append_images=frames[1:], **({"lossless": True} if fmt == "WEBP" else {}))
     decoded = decode_image(buffer.getvalue(), LIMITS)
-    assert decoded.image.getpixel((0, 0))[0] < 10
+    assert decoded.image.getpixel((0, 0))[0] < 10  # the first frame, not a later one
+    assert decode_image(buffer.getvalue(), DecodeLimits(**{**LIMITS.__dict__, "max_frames": 5})).image.size == (32, 32)
+    with pytest.raises(errors.TooManyFrames, match="more than 4 frames"):
+        decode_image(buffer.getvalue(), DecodeLimits(**{**LIMITS.__dict__, "max_frames": 4}))
+
+
+def test_frame_cap_stops_inspecting_at_the_cap():
+    """A 20 MB GIF of 1.3 million 1-pixel frames: refused after max_frames frames, not after a full scan."""
+    screen = b"GIF89a" + struct.pack("<HH", 64, 64) + b"\x00\x00\x00"
+    frame = b"\x2c" + struct.pack("<HHHH", 0, 0, 1, 1) + b"\x00\x02\x02\x44\x01\x00"
+    data = screen + frame * 1_300_000 + b";"
+    start = time.perf_counter()
     with pytest.raises(errors.TooManyFrames):
-        decode_image(buffer.getvalue(), DecodeLimits(**{**LIMITS.__dict__, "max_frames": 3}))
+        decode_image(data, LIMITS)
+    capped_s = time.perf_counter() - start
+    start = time.perf_counter()
+    assert Image.open(io.BytesIO(data)).n_frames == 1_300_000  # what a full scan costs, same run
+    full_scan_s = time.perf_counter() - start
+    assert capped_s < 0.1 * full_scan_s
+
+
+def test_cmyk_with_an_unusable_icc_profile_still_decodes():
+    cmyk = Image.fromarray(photo("coffee")).convert("CMYK")
+    data = encode(cmyk, "JPEG", icc_profile=b"not an ICC profile" * 10)
+    rgb = np.asarray(decode_image(data, LIMITS).image, dtype=np.float32)
+    reference = np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.float32)
+    assert rgb.shape == reference.shape and np.abs(rgb - reference).mean() < 2.0  # plain conversion, logged
+
+

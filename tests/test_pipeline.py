@@ -1,0 +1,78 @@
+"""``rampart.pipeline.Classifier`` with stand-in model endpoints: decode bounds and the chain, no server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from rampart import errors
+from rampart.buckets import buckets_for_resolution
+from rampart.config import Settings
+from rampart.deadline import Deadline
+from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer
+from rampart.pool import BoundedPool
+from tests.conftest import encode, photo
+
+LABELS = [f"class {i}" for i in range(1000)]
+
+
+def endpoint(name: str, resolution: int, best: int, fail: bool = False, delay_s: float = 0.0) -> ModelEndpoint:
+    """A model that answers class ``best`` with probability 0.9 (or raises when ``fail``)."""
+
+    async def call(bucket_name, pixels, deadline):
+        await asyncio.sleep(delay_s)
+        if fail:
+            raise RuntimeError(f"{name} is broken")
+        probs = np.full(1000, 0.1 / 999, dtype=np.float32)
+        probs[best] = 0.9
+        return RunnerAnswer(probs=probs, inference_ms=1.0, batch_size=1)
+
+    return ModelEndpoint(name, "v1", LABELS, buckets_for_resolution(resolution), call)
+
+
+def classifier(settings: Settings, pool: BoundedPool | None = None, **primary) -> Classifier:
+    return Classifier(settings, endpoint("primary", 260, 1, **primary), endpoint("fallback", 224, 2),
+                      pool or BoundedPool(2, 8))
+
+
+def big_png() -> bytes:
+    return encode(Image.fromarray(photo("rocket")).resize((4000, 3000)), "PNG")
+
+
+def test_a_decode_running_past_its_limit_is_422_decode_timeout():
+    slow = classifier(Settings(decode_timeout_ms=1))
+    with pytest.raises(errors.DecodeTimeout) as error:
+        asyncio.run(slow.classify(big_png(), 5, Deadline(10_000)))
+    assert error.value.status == 422
+
+
+def test_decode_capacity_exhausted_is_429_with_retry_after():
+    one_slot = classifier(Settings(), pool=BoundedPool(workers=1, queue=0))
+    data = big_png()
+
+    async def two_at_once():
+        return await asyncio.gather(*(one_slot.classify(data, 5, Deadline(10_000)) for _ in range(2)),
+                                    return_exceptions=True)
+
+    outcomes = asyncio.run(two_at_once())
+    refused = [o for o in outcomes if isinstance(o, errors.Overloaded)]
+    assert len(refused) == 1 and refused[0].retry_after_s >= 1 and "decoding capacity" in str(refused[0])
+    assert any(isinstance(o, dict) and o["labels"][0]["index"] == 1 for o in outcomes)
+
+
+def test_chain_primary_error_then_fallback_then_cache():
+    chain = classifier(Settings(), fail=True)
+    data = encode(photo("chelsea"))
+    answer = asyncio.run(chain.classify(data, 3, Deadline(5_000)))
+    assert answer["degraded_reason"] == "primary_error" and answer["labels"][0]["index"] == 2
+    assert answer["model"]["name"] == "fallback" and answer["bucket"] == "landscape"
+
+
+def test_slow_primary_times_out_at_deadline_minus_reserve():
+    chain = classifier(Settings(fallback_reserve_ms=300), delay_s=5.0)
+    answer = asyncio.run(chain.classify(encode(photo("coffee")), 3, Deadline(1_000)))
+    assert answer["degraded_reason"] == "primary_timeout" and answer["model"]["name"] == "fallback"
+    assert answer["timings_ms"]["total"] < 1_000
