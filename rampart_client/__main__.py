@@ -1,4 +1,4 @@
-"""``python -m rampart_client classify IMG... [--url URL] [--top-k K] [--deadline-ms MS]``.
+"""``python -m rampart_client classify IMG... [--url URL] [--top-k K] [--deadline-ms MS] [--priority high]``.
 
 Prints each image's top labels, one line per label; exits 1 if any image failed.
 """
@@ -20,13 +20,14 @@ def main(argv: list[str] | None = None) -> int:
     classify.add_argument("--url", default=os.environ.get("RAMPART_URL", "http://127.0.0.1:3000"))
     classify.add_argument("--top-k", type=int, default=5)
     classify.add_argument("--deadline-ms", type=float, default=None)
+    classify.add_argument("--priority", choices=("high", "normal"), default=None)
     args = parser.parse_args(argv)
 
     failed = 0
     with Client(args.url) as client:
         for path in args.images:
             try:
-                prediction = client.classify(path, top_k=args.top_k, deadline_ms=args.deadline_ms)
+                prediction = client.classify(path, top_k=args.top_k, deadline_ms=args.deadline_ms, priority=args.priority)
             except (RampartClientError, OSError) as exc:
                 print(f"{path}: error: {exc}", file=sys.stderr)
                 failed += 1

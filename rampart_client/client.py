@@ -43,10 +43,12 @@ def image_bytes(image: ImageInput) -> bytes:
     raise TypeError(f"expected a path, bytes or a PIL image, got {type(image).__name__}")
 
 
-def _headers(deadline_ms: float | None, request_id: str | None) -> dict[str, str]:
+def _headers(deadline_ms: float | None, request_id: str | None, priority: str | None = None) -> dict[str, str]:
     headers = {"Content-Type": "application/octet-stream"}
     if deadline_ms is not None:
         headers["X-Deadline-Ms"] = str(deadline_ms)
+    if priority is not None:
+        headers["X-Priority"] = priority
     if request_id is not None:
         headers["X-Request-Id"] = request_id
     return headers
@@ -116,22 +118,23 @@ class Client:
         self._http = httpx.Client(base_url=url, timeout=timeout, **httpx_kwargs)
 
     def classify(
-        self, image: ImageInput, top_k: int = 5, deadline_ms: float | None = None, request_id: str | None = None
+        self, image: ImageInput, top_k: int = 5, deadline_ms: float | None = None, request_id: str | None = None,
+        priority: str | None = None,
     ) -> Prediction:
         """Classify one image. Raises ``ImageRejected``, ``Overloaded`` or ``ServiceError``."""
         try:
             response = self._http.post(
-                "/classify", content=image_bytes(image), params={"top_k": top_k}, headers=_headers(deadline_ms, request_id)
+                "/classify", content=image_bytes(image), params={"top_k": top_k}, headers=_headers(deadline_ms, request_id, priority)
             )
         except httpx.HTTPError as exc:
             raise _transport_error(exc) from exc
         return parse_prediction(response)
 
     def classify_batch(
-        self, images: list[ImageInput], top_k: int = 5, deadline_ms: float | None = None
+        self, images: list[ImageInput], top_k: int = 5, deadline_ms: float | None = None, priority: str | None = None
     ) -> list[Prediction | RampartClientError]:
         """Classify several images in one request; a refused image yields its error in place."""
-        headers = _headers(deadline_ms, None)
+        headers = _headers(deadline_ms, None, priority)
         headers.pop("Content-Type")
         try:
             response = self._http.post("/classify_batch", files=_batch_files(images), params={"top_k": top_k}, headers=headers)
@@ -156,22 +159,23 @@ class AsyncClient:
         self._http = httpx.AsyncClient(base_url=url, timeout=timeout, **httpx_kwargs)
 
     async def classify(
-        self, image: ImageInput, top_k: int = 5, deadline_ms: float | None = None, request_id: str | None = None
+        self, image: ImageInput, top_k: int = 5, deadline_ms: float | None = None, request_id: str | None = None,
+        priority: str | None = None,
     ) -> Prediction:
         """Classify one image. Raises ``ImageRejected``, ``Overloaded`` or ``ServiceError``."""
         try:
             response = await self._http.post(
-                "/classify", content=image_bytes(image), params={"top_k": top_k}, headers=_headers(deadline_ms, request_id)
+                "/classify", content=image_bytes(image), params={"top_k": top_k}, headers=_headers(deadline_ms, request_id, priority)
             )
         except httpx.HTTPError as exc:
             raise _transport_error(exc) from exc
         return parse_prediction(response)
 
     async def classify_batch(
-        self, images: list[ImageInput], top_k: int = 5, deadline_ms: float | None = None
+        self, images: list[ImageInput], top_k: int = 5, deadline_ms: float | None = None, priority: str | None = None
     ) -> list[Prediction | RampartClientError]:
         """Classify several images in one request; a refused image yields its error in place."""
-        headers = _headers(deadline_ms, None)
+        headers = _headers(deadline_ms, None, priority)
         headers.pop("Content-Type")
         try:
             response = await self._http.post(

@@ -41,6 +41,10 @@ def test_client_raises_typed_errors(server):
         with pytest.raises(ImageRejected) as bad_param:
             client.classify(encode(photo("chelsea")), top_k=50)
         assert bad_param.value.code == "invalid_parameter"
+        with pytest.raises(ImageRejected, match="X-Priority") as bad_priority:
+            client.classify(encode(photo("chelsea")), priority="urgent")
+        assert bad_priority.value.status == 422
+        assert client.classify(encode(photo("chelsea")), priority="high").labels
     with Client("http://127.0.0.1:9", timeout=2) as nowhere:
         with pytest.raises(ServiceError):
             nowhere.classify(encode(photo("chelsea")))

@@ -9,6 +9,7 @@ measured in the same run, and the deadline checks are the API's contract
 from __future__ import annotations
 
 import asyncio
+import math
 
 import httpx
 import numpy as np
@@ -53,7 +54,8 @@ def test_five_times_capacity_open_loop(server):
         assert isinstance(stats[role]["runner"]["ttl_dropped"], int), stats
 
 
-def test_high_priority_burst_is_shed_less_and_answered_sooner(server):
+def test_high_priority_burst_is_shed_less_and_answered_sooner(start_server):
+    server = start_server()  # its own server: the 5x overload above leaves gates and meters warm
     bodies = load_bodies()
     samples = asyncio.run(burst(f"{server.url}/classify", bodies, 400, DEADLINE_MS, high_every=10))
     assert all(s.status in (200, 429) for s in samples)
@@ -63,8 +65,9 @@ def test_high_priority_burst_is_shed_less_and_answered_sooner(server):
     def shed_rate(group):  # refused with 429
         return sum(1 for s in group if s.status == 429) / len(group)
 
-    def p99(group):  # time to a result; a shed request never gets one
-        return float(np.percentile([s.latency_ms if s.status == 200 else np.inf for s in group], 99))
+    def p99(group):  # time to a result (nearest rank); a shed request never gets one
+        times = sorted(s.latency_ms if s.status == 200 else math.inf for s in group)
+        return times[math.ceil(0.99 * len(times)) - 1]
 
     report = {"high": (shed_rate(high), p99(high)), "normal": (shed_rate(normal), p99(normal))}
     assert shed_rate(high) < shed_rate(normal), report
