@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import time
 
 import bentoml
 from starlette.applications import Starlette
@@ -24,7 +25,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rampart import http
+from rampart import http, metrics
+from rampart.accesslog import log_request, server_timing
 from rampart.bentoml_fixes import cancel_request_timers
 from rampart.buckets import buckets_for_resolution
 from rampart.config import get_settings
@@ -74,7 +76,7 @@ def model_endpoint(tag: str, runner) -> ModelEndpoint:
 
 async def classify(request: Request) -> JSONResponse:
     """``POST /classify``: one image, raw body (format sniffed) or multipart field ``image``."""
-    request_id = http.request_id_of(request)
+    started, request_id, high = time.perf_counter(), http.request_id_of(request), False
     try:
         top_k = http.parse_top_k(request)
         deadline = http.parse_deadline(request, settings, service().loop_lag_ms())
@@ -94,17 +96,17 @@ async def classify(request: Request) -> JSONResponse:
             classifier.release(admission)
             raise
         result = await classifier.classify(data, top_k, deadline, high, admission)
-    except RampartError as error:
-        return http.error_response(error, request_id)
-    except Exception:
-        logger.exception("unexpected failure for request %s", request_id)
-        return http.error_response(InternalError("an unexpected error occurred; see the server log"), request_id)
-    return JSONResponse({"request_id": request_id, **result}, headers={"X-Request-Id": request_id})
+    except Exception as exc:
+        return failed(request, request_id, high, started, exc)
+    response = JSONResponse({"request_id": request_id, **result},
+                            headers={"X-Request-Id": request_id, "Server-Timing": server_timing(result["timings_ms"])})
+    finished(request, request_id, high, started, 200, "ok", result)
+    return response
 
 
 async def classify_batch(request: Request) -> JSONResponse:
     """``POST /classify_batch``: multipart field ``images`` repeated; one entry per image, in order."""
-    request_id = http.request_id_of(request)
+    started, request_id, high = time.perf_counter(), http.request_id_of(request), False
     try:
         top_k = http.parse_top_k(request)
         deadline = http.parse_deadline(request, settings, service().loop_lag_ms())
@@ -116,8 +118,8 @@ async def classify_batch(request: Request) -> JSONResponse:
         files = http.multipart_files(request, body, "images")
         if len(files) > settings.max_batch_images:
             raise InvalidParameter(f"{len(files)} images sent; the limit is {settings.max_batch_images}")
-    except RampartError as error:
-        return http.error_response(error, request_id)
+    except Exception as exc:
+        return failed(request, request_id, high, started, exc)
     classifier = service().classifier
 
     async def one(index: int, filename: str, data: bytes) -> dict:
@@ -131,7 +133,26 @@ async def classify_batch(request: Request) -> JSONResponse:
             return {**entry, **InternalError("an unexpected error occurred").to_body(request_id)}
 
     results = await asyncio.gather(*(one(i, name, data) for i, (name, data) in enumerate(files)))
+    finished(request, request_id, high, started, 200, "ok", images=len(results))
     return JSONResponse({"request_id": request_id, "results": results}, headers={"X-Request-Id": request_id})
+
+
+def failed(request: Request, request_id: str, high: bool, started: float, exc: Exception) -> JSONResponse:
+    """The error response for ``exc`` (a ``RampartError``, else a logged 500), accounted and logged."""
+    if not isinstance(exc, RampartError):
+        logger.exception("unexpected failure for request %s", request_id, exc_info=exc)
+        exc = InternalError("an unexpected error occurred; see the server log")
+    finished(request, request_id, high, started, exc.status, exc.code)
+    return http.error_response(exc, request_id)
+
+
+def finished(request: Request, request_id: str, high: bool, started: float, status: int, code: str,
+             result: dict | None = None, **extra: object) -> None:
+    """Count the answer (``rampart_responses_total``) and write its access-log line."""
+    metrics.RESPONSES.labels(str(status), code).inc()
+    metrics.update_process_rss("api")
+    log_request(request_id, request.url.path, status, code, high, (time.perf_counter() - started) * 1000.0,
+                result, **extra)
 
 
 async def stats(request: Request) -> JSONResponse:
@@ -183,6 +204,7 @@ class Rampart:
             BoundedPool(settings.decode_workers, settings.decode_queue, nice=settings.decode_nice),
         )
         self.loop_lag = LoopLagMonitor()
+        metrics.init_api_series()
         self._ready = False
         # Move everything built at start-up out of the garbage collector's reach, so
         # collections under load scan only request-time objects (Python gc.freeze docs).
@@ -192,7 +214,9 @@ class Rampart:
     def loop_lag_ms(self) -> float:
         """The event loop's recent lag (ms), kept back from each new deadline; starts the monitor."""
         self.loop_lag.ensure_started()
-        return self.loop_lag.recent_ms
+        lag_ms = self.loop_lag.recent_ms
+        metrics.LOOP_LAG.set(lag_ms / 1000.0)
+        return lag_ms
 
     async def __is_ready__(self) -> bool:
         """Ready once both runners have finished warm-up; their warm-up speed seeds the throughput meters."""

@@ -37,7 +37,10 @@ import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
 
-__all__ = ["Shed", "ThroughputMeter", "Ticket", "AdmissionGate"]
+__all__ = ["DECODING", "Shed", "ThroughputMeter", "Ticket", "AdmissionGate"]
+
+#: Pseudo-bucket of queued requests whose image is still being decoded.
+DECODING = "decoding"
 
 
 class Shed(Exception):
@@ -123,9 +126,10 @@ class Ticket:
         self.seq = seq
         self.future: asyncio.Future | None = None
         self.evicted = False
+        self.bucket = DECODING  # the bucket it waits in, once its image is decoded
 
     @asynccontextmanager
-    async def turn(self, remaining_s: Callable[[], float] | None = None) -> AsyncIterator[None]:
+    async def turn(self, remaining_s: Callable[[], float] | None = None, bucket: str = DECODING) -> AsyncIterator[None]:
         """Wait for dispatch (high priority first, then arrival order), then hold the slot.
 
         At dispatch the prediction is made again with ``remaining_s()`` (seconds
@@ -137,6 +141,7 @@ class Ticket:
         gate = self.gate
         if self.evicted:
             raise Shed("evicted", f"{gate.name}: evicted by a high-priority request")
+        gate._move(self, bucket)
         if gate.dispatched < gate.window and not gate._heap_has_waiters():
             gate._take(self)
         else:
@@ -194,6 +199,8 @@ class AdmissionGate:
         self._pending: dict[int, Ticket] = {}  # the queued tickets, in arrival order
         self._heap: list[tuple[int, int, Ticket]] = []
         self._seq = itertools.count()
+        self.queued_by_bucket: dict[str, int] = {DECODING: 0}
+        self.on_change: Callable[["AdmissionGate"], None] = lambda gate: None  # e.g. to update gauges
 
     @property
     def queue_limit(self) -> int:
@@ -241,6 +248,8 @@ class AdmissionGate:
         self._pending[ticket.seq] = ticket
         self.queued += 1
         self.queued_high += high
+        self.queued_by_bucket[DECODING] += 1
+        self.on_change(self)
         return ticket
 
     def retry_after_s(self) -> float:
@@ -252,6 +261,15 @@ class AdmissionGate:
         del self._pending[ticket.seq]
         self.queued -= 1
         self.queued_high -= ticket.high
+        self.queued_by_bucket[ticket.bucket] -= 1
+        self.on_change(self)
+
+    def _move(self, ticket: Ticket, bucket: str) -> None:
+        if ticket.queued and bucket != ticket.bucket:
+            self.queued_by_bucket[ticket.bucket] -= 1
+            self.queued_by_bucket[bucket] = self.queued_by_bucket.get(bucket, 0) + 1
+            ticket.bucket = bucket
+            self.on_change(self)
 
     def completed(self) -> None:
         """One dispatched image was answered in time: feeds the throughput meter."""

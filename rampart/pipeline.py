@@ -31,7 +31,8 @@ import numpy as np
 from PIL import Image
 
 from .admission import AdmissionGate, Shed, ThroughputMeter, Ticket
-from .breaker import CircuitBreaker
+from . import metrics
+from .breaker import STATE_VALUES, CircuitBreaker
 from .buckets import Bucket, choose_bucket, fit_to_bucket
 from .cache import CachedAnswer, ResultCache, content_key
 from .config import Settings
@@ -115,19 +116,30 @@ class ModelLane:
         self.gate = gate
         self.breaker = breaker
         self.successes = 0  # answers in time, ever: the model's progress
+        gate.on_change = self._publish_queue
+
+    def _publish_queue(self, gate: AdmissionGate) -> None:
+        for bucket, count in gate.queued_by_bucket.items():
+            metrics.QUEUE_DEPTH.labels(self.role, bucket).set(count)
 
     def reserve(self, high: bool, budget_s: float) -> Ticket | Attempt:
         """A ticket in the gate, or the refusal (``<role>_circuit_open`` / ``_overloaded`` / ``_timeout``)."""
         if budget_s <= 0:
-            return Attempt(None, f"{self.role}_timeout", shed=True)
+            return self._refused("timeout", Attempt(None, f"{self.role}_timeout", shed=True))
         if self.breaker is not None and not self.breaker.allow():
-            return Attempt(None, f"{self.role}_circuit_open", shed=True)
+            return self._refused("circuit_open", Attempt(None, f"{self.role}_circuit_open", shed=True))
         try:
-            return self.gate.reserve(high, budget_s)
+            ticket = self.gate.reserve(high, budget_s)
         except Shed as shed:
             self._record(None)
             logger.debug("%s shed: %s", self.role, shed)
-            return Attempt(None, f"{self.role}_overloaded", shed=True)
+            return self._refused(shed.reason, Attempt(None, f"{self.role}_overloaded", shed=True))
+        metrics.ADMITTED.labels(self.role).inc()
+        return ticket
+
+    def _refused(self, reason: str, attempt: Attempt) -> Attempt:
+        metrics.REJECTED.labels(self.role, reason).inc()
+        return attempt
 
     def release(self, ticket: Ticket) -> None:
         """Give back a ticket that will not be used (the upload was bad, or never got this far)."""
@@ -145,7 +157,7 @@ class ModelLane:
 
         async def admitted_call() -> RunnerAnswer:
             nonlocal dispatched, progress_at_dispatch
-            async with ticket.turn(lambda: deadline.remaining_s(reserve_ms)):
+            async with ticket.turn(lambda: deadline.remaining_s(reserve_ms), bucket.name):
                 dispatched, progress_at_dispatch = True, self.successes
                 return await self.endpoint.call(bucket.name, pixels, deadline.wall_clock_at(reserve_ms))
 
@@ -161,7 +173,7 @@ class ModelLane:
         except Shed as shed:
             self._record(None)
             logger.debug("%s shed: %s", self.role, shed)
-            return Attempt(None, f"{self.role}_overloaded", shed=True)
+            return self._refused(shed.reason, Attempt(None, f"{self.role}_overloaded", shed=True))
         except asyncio.TimeoutError:
             return timed_out()
         except Exception as exc:  # any runner failure degrades; it never becomes a 5xx
@@ -183,6 +195,7 @@ class ModelLane:
             self.breaker.cancel()
         else:
             self.breaker.record(ok)
+        metrics.BREAKER_STATE.labels(self.role).set(STATE_VALUES[self.breaker.state])
 
     def state(self) -> dict:
         """Gate, throughput and breaker state, for ``GET /stats``."""
@@ -251,7 +264,9 @@ class Classifier:
 
     def _prepare(self, data: bytes, roles: tuple[str, ...]) -> Prepared:
         key = content_key(data)
-        image = working_copy(decode_image(data, self.limits).image, self.limits.min_decoded_side)
+        decoded = decode_image(data, self.limits)
+        metrics.INPUT_MEGAPIXELS.observe(decoded.declared_size[0] * decoded.declared_size[1] / 1e6)
+        image = working_copy(decoded.image, self.limits.min_decoded_side)
         return Prepared(key, image, {role: self._fit(image, role) for role in roles})
 
     def _fit(self, image: Image.Image, role: str) -> tuple[Bucket, np.ndarray]:
@@ -271,9 +286,25 @@ class Classifier:
         """
         admission = admission or self.admit(deadline, high)
         try:
-            return await self._classify(data, top_k, deadline, high, admission)
+            result = await self._classify(data, top_k, deadline, high, admission)
         finally:
             self.release(admission)
+        self._observe(result)
+        return result
+
+    def _observe(self, result: dict) -> None:
+        """Metrics of one answer: stage durations, degraded reason, top-1 class and confidence."""
+        name = (result["model"] or {}).get("name")
+        role = {self.primary.endpoint.name: "primary", self.fallback.endpoint.name: "fallback"}.get(name, "none")
+        if result["degraded_reason"] == "cached_result":
+            role = "cache"
+        for stage, ms in result["timings_ms"].items():
+            metrics.STAGE_SECONDS.labels(role, stage).observe(ms / 1000.0)
+        if result["degraded"]:
+            metrics.DEGRADED.labels(result["degraded_reason"]).inc()
+        if result["labels"] and role in ("primary", "fallback"):
+            metrics.TOP1_CONFIDENCE.labels(role).observe(result["labels"][0]["score"])
+            metrics.TOP1_CLASS.labels(role, result["labels"][0]["label"]).inc()
 
     async def _classify(self, data: bytes, top_k: int, deadline: Deadline, high: bool, admission: Admission) -> dict:
         start = time.perf_counter()
@@ -302,6 +333,7 @@ class Classifier:
         else:
             first = admission.primary_refused
             second = await self._fallback_attempt(prepared, admission.fallback, deadline)
+        metrics.FALLBACK.labels(first.reason).inc()
         if second.answer is not None:
             return self._answer(self.fallback, second.answer, prepared, top_k, decode_ms, start, first.reason)
 

@@ -19,6 +19,7 @@ import numpy as np
 from pydantic import Field
 
 
+from rampart import metrics
 from rampart.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
 from rampart.faults import FaultInjector
 
@@ -58,13 +59,15 @@ class BucketedRunner:
     faults: FaultInjector
     max_batch_size: int
 
-    def setup(self, resolution: int, faults: FaultInjector, max_batch_size: int, nice: int = 0) -> None:
+    def setup(self, role: str, resolution: int, faults: FaultInjector, max_batch_size: int, nice: int = 0) -> None:
         """Set buckets, faults and counters and lower this process's CPU priority to ``nice``.
 
         Call once from the subclass ``__init__``, before warm-up creates the
         inference threads (they inherit the niceness of the thread creating them).
         """
         lower_cpu_priority(nice)
+        self.role = role
+        metrics.init_runner_series(role)
         self.buckets = buckets_for_resolution(resolution)
         self.faults = faults
         self.max_batch_size = max_batch_size
@@ -115,6 +118,8 @@ class BucketedRunner:
         results = [RunnerResult(expired=True) for _ in items]
         with self._lock:
             self.ttl_dropped += len(items) - len(live)
+        if len(live) < len(items):
+            metrics.TTL_DROPPED.labels(self.role).inc(len(items) - len(live))
         if not live:
             return results
         for i in live:
@@ -123,10 +128,21 @@ class BucketedRunner:
                     f"bucket {bucket_name!r} expects {bucket.shape}, got {items[i].pixels.shape}: a batch never mixes shapes"
                 )
         batch = np.stack([items[i].pixels for i in live]).astype(np.uint8, copy=False)
-        self.faults.before_batch()
-        start = time.perf_counter()
-        probs = self.engine.predict(batch)
-        inference_ms = (time.perf_counter() - start) * 1000.0
+        inflight = metrics.INFLIGHT_BATCHES.labels(self.role)
+        inflight.inc()
+        try:
+            self.faults.before_batch()
+            start = time.perf_counter()
+            probs = self.engine.predict(batch)
+            inference_ms = (time.perf_counter() - start) * 1000.0
+        finally:
+            inflight.dec()
+        metrics.BATCH_SIZE.labels(self.role, bucket_name).observe(len(live))
+        metrics.update_process_rss(self.role)
+        gpu = getattr(self.engine, "gpu_memory", lambda: None)()
+        if gpu is not None:
+            metrics.GPU_MEMORY_USED.labels(gpu[0]).set(gpu[1])
+            metrics.GPU_MEMORY_TOTAL.labels(gpu[0]).set(gpu[2])
         if probs.shape[0] != len(live):
             raise RuntimeError(f"engine returned {probs.shape[0]} rows for a batch of {len(live)}")
         for row, i in enumerate(live):

@@ -51,6 +51,13 @@ class TorchClassifier:
             half = len(batch) // 2
             return np.concatenate([self._forward(batch[:half]), self._forward(batch[half:])])
 
+    def gpu_memory(self) -> tuple[str, int, int] | None:
+        """(device name, bytes allocated by this process, total bytes) on CUDA; None on CPU."""
+        if self.device.type != "cuda":
+            return None
+        cuda = self._torch.cuda
+        return str(self.device), cuda.memory_allocated(self.device), cuda.get_device_properties(self.device).total_memory
+
     def _forward(self, batch: np.ndarray) -> np.ndarray:
         torch = self._torch
         with torch.inference_mode():

@@ -30,6 +30,7 @@ class Fallback(BucketedRunner):
         meta = self.model.info.metadata
         self.engine = OnnxClassifier(self.model.path_of("model.onnx"), meta["mean"], meta["std"])
         self.setup(
+            "fallback",
             meta["resolution"],
             FaultInjector("fallback", FaultSpec(error_rate=settings.fault_fallback_error_rate), settings.fault_file),
             settings.fallback_max_batch_size,

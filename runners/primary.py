@@ -35,6 +35,7 @@ class Primary(BucketedRunner):
         module.load_state_dict(torch.load(self.model.path_of("weights.pt"), map_location="cpu", weights_only=True))
         self.engine = TorchClassifier(module, meta["mean"], meta["std"], memory_fraction=settings.gpu_memory_fraction)
         self.setup(
+            "primary",
             meta["resolution"],
             FaultInjector(
                 "primary",

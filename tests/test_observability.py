@@ -1,0 +1,103 @@
+"""Metrics on /metrics that move under load, JSON access logs, Server-Timing, the Grafana dashboard."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import PHOTOS, ROOT, encode, photo
+
+#: Every rampart_* family the README and the dashboard promise (name as the parser reports it).
+RAMPART_FAMILIES = {
+    "rampart_queue_depth", "rampart_inflight_batches", "rampart_admitted", "rampart_rejected", "rampart_responses",
+    "rampart_ttl_dropped", "rampart_fallback", "rampart_degraded", "rampart_circuit_breaker_state",
+    "rampart_stage_duration_seconds", "rampart_batch_size", "rampart_input_megapixels", "rampart_top1_confidence",
+    "rampart_top1_class", "rampart_process_resident_memory_bytes", "rampart_event_loop_lag_seconds",
+}
+
+
+def scrape(server) -> dict[str, dict[tuple, float]]:
+    """``{sample name: {sorted label items: value}}`` from the server's /metrics."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    samples: dict[str, dict[tuple, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def total(samples: dict, name: str, **labels: str) -> float:
+    wanted = set(labels.items())
+    return sum(v for k, v in samples.get(name, {}).items() if wanted <= set(k) and ("pid", "") not in k)
+
+
+def families(samples: dict) -> set[str]:
+    names = set()
+    for name in samples:
+        names.add(re.sub(r"_(total|created|bucket|count|sum)$", "", name))
+    return names
+
+
+def test_metrics_exist_and_move_under_load(server):
+    before = scrape(server)
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for name in sorted(PHOTOS):
+            assert client.post("/classify", content=encode(photo(name))).status_code == 200
+        assert client.post("/classify", content=b"not an image").status_code == 415
+    after = scrape(server)
+    missing = {f for f in RAMPART_FAMILIES if f not in families(after)}
+    assert not missing, f"metrics missing from /metrics: {missing}"
+    assert "bentoml_service_request_total" in after or "bentoml_service_request_in_progress" in after  # BentoML's own stay
+
+    def grew(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    assert grew("rampart_responses_total", status="200", code="ok") >= len(PHOTOS)
+    assert grew("rampart_responses_total", status="415", code="unsupported_format") >= 1
+    assert grew("rampart_admitted_total", model="primary") >= len(PHOTOS)
+    assert grew("rampart_stage_duration_seconds_count", model="primary", stage="total") >= len(PHOTOS)
+    assert grew("rampart_batch_size_count", model="primary") >= 1  # written by the runner process
+    assert grew("rampart_input_megapixels_count") >= len(PHOTOS)
+    assert grew("rampart_top1_confidence_count", model="primary") >= len(PHOTOS)
+    assert grew("rampart_top1_class_total", model="primary") >= len(PHOTOS)
+    assert total(after, "rampart_process_resident_memory_bytes") > 0
+
+
+def test_request_id_server_timing_and_one_json_log_line(server):
+    response = httpx.post(f"{server.url}/classify", content=encode(photo("coffee")),
+                          headers={"X-Request-Id": "obs-test-1"}, timeout=30)
+    assert response.status_code == 200 and response.headers["X-Request-Id"] == "obs-test-1"
+    timing = dict(re.findall(r"(\w+);dur=([\d.]+)", response.headers["Server-Timing"]))
+    assert set(timing) == {"decode", "queue", "inference", "total"}
+    assert float(timing["total"]) >= float(timing["inference"]) > 0
+
+    lines = [line for line in server.log_path.read_text(errors="replace").splitlines() if '"obs-test-1"' in line]
+    assert len(lines) == 1, lines
+    entry = json.loads(lines[0])
+    assert entry["status"] == 200 and entry["code"] == "ok" and entry["path"] == "/classify"
+    assert entry["bucket"] == response.json()["bucket"] and entry["model"] == "rampart-primary"
+    assert set(entry["timings_ms"]) == {"decode", "queue", "inference", "total"}
+
+    bad = httpx.post(f"{server.url}/classify", content=b"", headers={"X-Request-Id": "obs-test-2"}, timeout=30)
+    assert bad.status_code == 400
+    (bad_line,) = [line for line in server.log_path.read_text(errors="replace").splitlines() if '"obs-test-2"' in line]
+    assert json.loads(bad_line)["code"] == "empty_body"
+
+
+def test_every_metric_the_grafana_dashboard_queries_exists(server):
+    dashboard = json.loads((ROOT / "grafana" / "rampart-dashboard.json").read_text())
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+    unquoted = [re.sub(r'"[^"]*"', '""', expr) for expr in exprs]  # label values are not metric names
+    queried = {name for expr in unquoted for name in re.findall(r"\b((?:rampart|bentoml)_[a-z0-9_]+)", expr)}
+    assert len(queried) >= 15
+    available = set(scrape(server))
+    # The GPU gauges get values only where CUDA is present; on CPU they are only declared.
+    from rampart import metrics
+
+    gpu_only = {g.describe()[0].name for g in (metrics.GPU_MEMORY_USED, metrics.GPU_MEMORY_TOTAL)}
+    assert gpu_only <= queried
+    missing = {name for name in queried - gpu_only if name not in available}
+    assert not missing, f"the dashboard queries metrics that /metrics lacks: {missing}"
