@@ -25,6 +25,11 @@ serve: models
 test: models
 	$(PY) -m pytest -q tests
 
+# The load benchmark (about 10 minutes on 2 CPU cores) and the decode benchmark.
+bench: models
+	$(PY) -m bench.load_bench
+	$(PY) -m bench.decode_bench
+
 build: models
 	$(VENV)/bin/bentoml build
 

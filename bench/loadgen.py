@@ -1,7 +1,8 @@
 """Load generation against a running Rampart (or baseline) server, with aiohttp.
 
 - ``closed_loop(url, bodies, clients, duration_s)``: ``clients`` tasks, each sending
-  its next request as soon as the last one is answered; measures capacity.
+  its next request as soon as the last one is answered (after a 429, once the
+  ``Retry-After`` second has passed); measures capacity.
 - ``open_loop(url, bodies, rate, duration_s)``: Poisson arrivals at ``rate`` per
   second, independent of how fast answers come back, the way real overload
   arrives; each arrival is its own task.
@@ -73,10 +74,16 @@ def load_bodies(max_side: int = 480) -> list[bytes]:
     return bodies
 
 
+#: How long a closed-loop client waits after a 429 before its next request (Rampart's minimum Retry-After).
+RETRY_AFTER_S = 1.0
+#: How long a client waits for any answer before giving up (counted as ``failed``).
+CLIENT_TIMEOUT_S = 30.0
+
+
 def _client(max_connections: int) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=300),
-        timeout=aiohttp.ClientTimeout(total=120.0),
+        timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S),
     )
 
 
@@ -100,17 +107,24 @@ def unique(body: bytes) -> bytes:
 
 
 async def _send(client: aiohttp.ClientSession, url: str, body: bytes, deadline_ms: float, high: bool,
-                origin: float) -> Sample:
-    headers = {"X-Deadline-Ms": str(int(deadline_ms)), "Content-Type": "image/jpeg"}
+                origin: float, form_field: str | None = None) -> Sample:
+    headers = {"X-Deadline-Ms": str(int(deadline_ms))}
     if high:
         headers["X-Priority"] = "high"
+    if form_field:  # multipart file field, for services that take uploads that way
+        data = aiohttp.FormData()
+        data.add_field(form_field, body, filename="image.jpg", content_type="image/jpeg")
+    else:
+        data, headers["Content-Type"] = body, "image/jpeg"
     sent = time.perf_counter()
     try:
-        async with client.post(url, data=body, headers=headers) as response:
+        async with client.post(url, data=data, headers=headers) as response:
             status = response.status
             payload = await response.json() if response.content_type == "application/json" else {}
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-        status, payload = 0, {}  # connection refused or reset: counted as an error
+        status, payload = 0, {}  # connection refused or reset, or the client gave up: counted as failed
+    if isinstance(payload, list):  # a batchable BentoML API answers a one-item list
+        payload = payload[0] if payload else {}
     latency_ms = (time.perf_counter() - sent) * 1000.0
     model = (payload.get("model") or {}).get("name") if isinstance(payload, dict) else None
     reason = payload.get("degraded_reason") if isinstance(payload, dict) else None
@@ -119,7 +133,7 @@ async def _send(client: aiohttp.ClientSession, url: str, body: bytes, deadline_m
 
 
 async def closed_loop(url: str, bodies: list[bytes], clients: int, duration_s: float,
-                      deadline_ms: float = 10_000) -> list[Sample]:
+                      deadline_ms: float = 10_000, form_field: str | None = None) -> list[Sample]:
     """``clients`` concurrent senders for ``duration_s`` seconds; returns every sample."""
     samples: list[Sample] = []
     origin = stop = 0.0  # set once the connections are open
@@ -128,7 +142,10 @@ async def closed_loop(url: str, bodies: list[bytes], clients: int, duration_s: f
         i = index
         while time.perf_counter() < stop:
             body = unique(bodies[i % len(bodies)])
-            samples.append(await _send(client, url, body, deadline_ms, False, origin))
+            sample = await _send(client, url, body, deadline_ms, False, origin, form_field)
+            samples.append(sample)
+            if sample.status == 429:  # a well-behaved client backs off (Retry-After is at least 1 s)
+                await asyncio.sleep(RETRY_AFTER_S)
             i += clients
 
     async with _client(clients) as client:
@@ -140,7 +157,7 @@ async def closed_loop(url: str, bodies: list[bytes], clients: int, duration_s: f
 
 
 async def open_loop(url: str, bodies: list[bytes], rate: float, duration_s: float, deadline_ms: float = 1000,
-                    high_fraction: float = 0.0, seed: int = 0) -> list[Sample]:
+                    high_fraction: float = 0.0, seed: int = 0, form_field: str | None = None) -> list[Sample]:
     """Poisson arrivals at ``rate`` requests/s for ``duration_s`` s; ``high_fraction`` sent with ``X-Priority: high``."""
     rng = random.Random(seed)
     tasks = []
@@ -155,7 +172,7 @@ async def open_loop(url: str, bodies: list[bytes], rate: float, duration_s: floa
                 await asyncio.sleep(delay)
             high = rng.random() < high_fraction
             body = unique(bodies[i % len(bodies)])
-            tasks.append(asyncio.create_task(_send(client, url, body, deadline_ms, high, origin)))
+            tasks.append(asyncio.create_task(_send(client, url, body, deadline_ms, high, origin, form_field)))
             i += 1
             next_at += rng.expovariate(rate)
         return list(await asyncio.gather(*tasks))

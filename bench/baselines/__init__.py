@@ -1,0 +1,1 @@
+"""Baseline services for ``bench.load_bench``: the same primary model served the usual ways."""

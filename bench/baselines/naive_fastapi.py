@@ -1,0 +1,50 @@
+"""Baseline (a): the seed's naive service. FastAPI, one asyncio queue, a 5 ms batch window, max batch 8.
+
+No admission control, no deadlines, no fallback: every request waits in the
+queue, however long. Run: ``uvicorn bench.baselines.naive_fastapi:app --port P``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+from fastapi import FastAPI, Request
+
+from bench.baselines.common import answer, load_primary, naive_pixels
+
+BATCH_WINDOW_S = 0.005
+MAX_BATCH = 8
+
+app = FastAPI()
+engine, labels, resolution = load_primary()
+queue: asyncio.Queue = asyncio.Queue()
+
+
+async def batcher() -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        items = [await queue.get()]
+        deadline = loop.time() + BATCH_WINDOW_S
+        while len(items) < MAX_BATCH and (left := deadline - loop.time()) > 0:
+            try:
+                items.append(await asyncio.wait_for(queue.get(), left))
+            except asyncio.TimeoutError:
+                break
+        batch = np.stack([pixels for pixels, _ in items])
+        probs = await loop.run_in_executor(None, engine.predict, batch)
+        for (_, future), row in zip(items, probs):
+            future.set_result(row)
+
+
+@app.on_event("startup")
+async def start() -> None:
+    asyncio.get_running_loop().create_task(batcher())
+
+
+@app.post("/classify")
+async def classify(request: Request) -> dict:
+    pixels = naive_pixels(await request.body(), resolution)
+    future = asyncio.get_running_loop().create_future()
+    await queue.put((pixels, future))
+    return answer(await future, labels)

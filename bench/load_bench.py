@@ -1,0 +1,269 @@
+"""Load benchmark: Rampart against the usual ways of serving the same model, same machine, same run.
+
+``python -m bench.load_bench [--out bench_results] [--quick]`` writes ``load.json``
+and ``load.png``. The load comes from this process (aiohttp, ``bench.loadgen``);
+each service runs in its own subprocess on 127.0.0.1.
+
+1. **Raw model ceiling**: primary (PyTorch) and fallback (ONNX Runtime) images/s at
+   batch sizes 1..64, in this process, no serving: the machine's physical limit.
+2. **Closed-loop ramp**, 1, 2, 4 … 256 clients: throughput, P50/P90/P99, error rate.
+   The *knee* is the highest throughput whose P99 stays within the SLO (the 1 s
+   deadline) with at most 1% of requests refused.
+3. **Open-loop overload** (Poisson) at 1×, 2×, 5× and 10× Rampart's knee: goodput
+   (answers within their deadline that carry a model's labels), shed rate,
+   degraded rate, P99 of accepted requests, late answers.
+4. **Baselines** with the same model and images: (a) ``naive``, the seed's FastAPI
+   service (one asyncio queue, 5 ms window, max batch 8, no admission control);
+   (b) ``plain_bentoml``, one batchable BentoML API with default settings. Each gets
+   the ramp and 5× its own knee; the ratios Rampart/baseline are reported for knee
+   throughput, goodput at 5× and P99 at 5×.
+
+``--quick`` shrinks every step (the test suite uses it to prove the command works).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from bench.loadgen import closed_loop, load_bodies, open_loop, summarize
+
+ROOT = Path(__file__).resolve().parent.parent
+SLO_MS = 1000.0
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Service:
+    """One service under test, in its own process group; ``url`` is its classify endpoint."""
+
+    COMMANDS = {
+        "rampart": lambda port: [str(BIN / "bentoml"), "serve", "service:Rampart", "--host", "127.0.0.1", "--port", str(port)],
+        "plain_bentoml": lambda port: [str(BIN / "bentoml"), "serve", "bench.baselines.plain_bentoml:Plain",
+                                       "--host", "127.0.0.1", "--port", str(port)],
+        "naive": lambda port: [str(BIN / "uvicorn"), "bench.baselines.naive_fastapi:app", "--host", "127.0.0.1",
+                               "--port", str(port), "--log-level", "warning"],
+    }
+
+    def __init__(self, name: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        """Start service ``name`` (see ``COMMANDS``) with extra environment ``env``; its log goes to ``log_dir``."""
+        self.name = name
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/classify"
+        self.form_field = "image" if name == "plain_bentoml" else None
+        self.log = open(log_dir / f"{name}.log", "wb")
+        self.process = subprocess.Popen(self.COMMANDS[name](self.port), cwd=ROOT, stdout=self.log,
+                                        stderr=subprocess.STDOUT, start_new_session=True,
+                                        env={**os.environ, **(env or {})})
+
+    def wait_ready(self, bodies: list[bytes], timeout_s: float = 300) -> None:
+        """Ready when BentoML's ``/readyz`` says so (runners warmed up), then one real request is answered 200."""
+        deadline = time.monotonic() + timeout_s
+        base = self.url.rsplit("/", 1)[0]
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}")
+            try:
+                if self.name != "naive" and httpx.get(f"{base}/readyz", timeout=5).status_code != 200:
+                    time.sleep(1)
+                    continue
+                if self.form_field:
+                    response = httpx.post(self.url, files={self.form_field: ("a.jpg", bodies[0], "image/jpeg")}, timeout=30)
+                else:
+                    response = httpx.post(self.url, content=bodies[0], timeout=30)
+                if response.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise RuntimeError(f"{self.name} not ready after {timeout_s} s")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+        self.log.close()
+
+
+def raw_ceiling(batch_sizes: list[int], repeats: int) -> dict:
+    """Images/s of both engines per batch size, square bucket, in this process."""
+    import bentoml
+
+    from bench.baselines.common import load_primary
+    from runners.engines import OnnxClassifier
+
+    primary, _, primary_res = load_primary()
+    stored = bentoml.models.get("rampart-fallback:latest")
+    meta = stored.info.metadata
+    fallback = OnnxClassifier(stored.path_of("model.onnx"), meta["mean"], meta["std"])
+    out = {}
+    for name, engine, res in (("primary", primary, primary_res), ("fallback", fallback, int(meta["resolution"]))):
+        out[name] = {}
+        for size in batch_sizes:
+            batch = np.zeros((size, res, res, 3), dtype=np.uint8)
+            engine.predict(batch)  # warm-up for this shape
+            start = time.perf_counter()
+            for _ in range(repeats):
+                engine.predict(batch)
+            out[name][size] = round(size * repeats / (time.perf_counter() - start), 1)
+    return out
+
+
+def ramp(service: Service, bodies: list[bytes], clients: list[int], step_s: float) -> dict:
+    """Closed-loop steps; the knee is the highest throughput with P99 ≤ SLO and ≤ 1% errors (or 429s)."""
+    steps = []
+    for n in clients:
+        samples = asyncio.run(closed_loop(service.url, bodies, n, step_s, deadline_ms=SLO_MS,
+                                          form_field=service.form_field))
+        summary = summarize(samples, step_s)
+        steps.append({"clients": n, **{k: summary[k] for k in ("throughput_rps", "p50_ms", "p90_ms", "p99_ms",
+                                                                "degraded_rate")},
+                      "error_rate": round(1 - summary["ok"] / max(summary["requests"], 1), 4)})
+    within = [s for s in steps if s["p99_ms"] is not None and s["p99_ms"] <= SLO_MS and s["error_rate"] <= 0.01]
+    knee = max(within, key=lambda s: s["throughput_rps"]) if within else min(steps, key=lambda s: s["p99_ms"] or 1e9)
+    return {"steps": steps, "knee": knee}
+
+
+def overload(service: Service, bodies: list[bytes], capacity: float, factors: list[float], duration_s: float) -> dict:
+    """Open-loop runs at ``factor`` × ``capacity``; goodput counts answers with a model's labels."""
+    runs = {}
+    for factor in factors:
+        samples = asyncio.run(open_loop(service.url, bodies, factor * capacity, duration_s, deadline_ms=SLO_MS,
+                                        seed=int(factor * 10), form_field=service.form_field))
+        summary = summarize(samples, duration_s)
+        served = [s for s in samples if s.status == 200 and s.model is not None and s.latency_ms <= s.deadline_ms]
+        runs[str(factor)] = {"offered_rps": round(factor * capacity, 1), **summary,
+                             "goodput_rps": round(len(served) / duration_s, 2)}
+        drain(service, bodies)
+    return runs
+
+
+def drain(service: Service, bodies: list[bytes], timeout_s: float = 120) -> None:
+    """Wait until the service answers a request within the SLO again (a baseline may still be queueing)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        samples = asyncio.run(closed_loop(service.url, bodies, 1, 0.5, form_field=service.form_field))
+        if samples and all(s.status == 200 and s.latency_ms <= SLO_MS for s in samples):
+            return
+        time.sleep(1)
+
+
+def machine() -> dict:
+    import torch
+
+    return {
+        "platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    parser.add_argument("--quick", action="store_true", help="tiny steps: proves the command, measures little")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.quick:
+        batch_sizes, repeats, clients, step_s, factors, overload_s = [1, 4], 1, [1, 8], 2.0, [5.0], 3.0
+    else:
+        batch_sizes, repeats = [1, 2, 4, 8, 16, 32, 64], 3
+        clients, step_s, factors, overload_s = [1, 2, 4, 8, 16, 32, 64, 128, 256], 4.0, [1.0, 2.0, 5.0, 10.0], 8.0
+
+    bodies = load_bodies()
+    results: dict = {"machine": machine(), "slo_ms": SLO_MS, "command": "python -m bench.load_bench"
+                     + (" --quick" if args.quick else "")}
+    results["raw_ceiling_ips"] = raw_ceiling(batch_sizes, repeats)
+    for name in ("rampart", "naive", "plain_bentoml"):
+        service = Service(name, args.out)
+        try:
+            service.wait_ready(bodies)
+            results[name] = {"ramp": ramp(service, bodies, clients, step_s)}
+            capacity = max(results[name]["ramp"]["knee"]["throughput_rps"], 1.0)
+            results[name]["overload"] = overload(service, bodies, capacity, factors if name == "rampart" else [5.0],
+                                                 overload_s)
+        finally:
+            service.stop()
+        print(name, json.dumps(results[name]["ramp"]["knee"]), flush=True)
+
+    results["ratios"] = {}
+    ours = results["rampart"]
+    for name in ("naive", "plain_bentoml"):
+        theirs = results[name]
+        results["ratios"][name] = {
+            "knee_throughput": _ratio(ours["ramp"]["knee"]["throughput_rps"], theirs["ramp"]["knee"]["throughput_rps"]),
+            "goodput_at_5x": _ratio(ours["overload"]["5.0"]["goodput_rps"], theirs["overload"]["5.0"]["goodput_rps"]),
+            "p99_at_5x": _ratio(ours["overload"]["5.0"]["p99_accepted_ms"], theirs["overload"]["5.0"]["p99_accepted_ms"]),
+        }
+    (args.out / "load.json").write_text(json.dumps(results, indent=2))
+    plot(results, args.out / "load.png")
+    print(json.dumps(results["ratios"], indent=2))
+    return 0
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a is not None and b else None
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    services = ("rampart", "naive", "plain_bentoml")
+    fig, axes = plt.subplots(2, 2, figsize=(12, 9))
+    ax = axes[0][0]
+    for name, curve in results["raw_ceiling_ips"].items():
+        sizes = sorted(curve, key=int)
+        ax.plot([int(s) for s in sizes], [curve[s] for s in sizes], marker="o", label=name)
+    ax.set(xscale="log", xlabel="batch size", ylabel="images/s", title="Raw model ceiling (no serving)")
+    ax.legend()
+    ax = axes[0][1]
+    for name in services:
+        steps = results[name]["ramp"]["steps"]
+        ax.plot([s["throughput_rps"] for s in steps], [s["p99_ms"] for s in steps], marker="o", label=name)
+    ax.axhline(results["slo_ms"], color="grey", linestyle="--", label="SLO")
+    ax.set(xlabel="throughput (requests/s)", ylabel="P99 (ms)", yscale="log", title="Closed-loop ramp: P99 vs throughput")
+    ax.legend()
+    ax = axes[1][0]
+    runs = results["rampart"]["overload"]
+    factors = sorted(runs, key=float)
+    for key, label in (("goodput_rps", "goodput"), ("throughput_rps", "200 answers"),):
+        ax.plot([float(f) for f in factors], [runs[f][key] for f in factors], marker="o", label=f"Rampart {label}")
+    for name in services[1:]:
+        ax.scatter([5.0], [results[name]["overload"]["5.0"]["goodput_rps"]], label=f"{name} goodput", zorder=3)
+    ax.set(xlabel="offered load (× knee)", ylabel="requests/s", title="Open-loop overload")
+    ax.legend()
+    ax = axes[1][1]
+    p99 = [results[name]["overload"]["5.0"]["p99_accepted_ms"] or 0 for name in services]
+    ax.bar(services, p99)
+    ax.axhline(results["slo_ms"], color="grey", linestyle="--")
+    ax.set(ylabel="P99 of accepted requests (ms)", title="At 5× each service's knee", yscale="log")
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
