@@ -17,3 +17,18 @@ def test_decode_bench_writes_json_and_plot_and_draft_beats_naive(tmp_path):
     assert set(results) == {"jpeg_7680x4320", "png_4000x3000"}
     jpeg = results["jpeg_7680x4320"]
     assert jpeg["speedup"] > 1.0 and jpeg["rss_ratio"] > 1.2, jpeg  # same-run ratios: draft decoding pays
+
+
+def test_load_bench_quick_runs_end_to_end_with_both_baselines(tmp_path):
+    """``--quick``: every service starts, is ramped and overloaded, and the report and plot are written."""
+    subprocess.run([sys.executable, "-m", "bench.load_bench", "--quick", "--out", str(tmp_path)],
+                   cwd=ROOT, check=True, capture_output=True, timeout=900)
+    results = json.loads((tmp_path / "load.json").read_text())
+    assert (tmp_path / "load.png").stat().st_size > 0
+    assert set(results["raw_ceiling_ips"]) == {"primary", "fallback"}
+    for name in ("rampart", "naive", "plain_bentoml"):
+        assert results[name]["ramp"]["steps"] and "5.0" in results[name]["overload"], name
+    ours = results["rampart"]["overload"]["5.0"]
+    assert ours["errors_5xx"] == 0 and ours["late"] == 0, ours
+    assert set(results["ratios"]) == {"naive", "plain_bentoml"}
+    assert all(value is not None for ratios in results["ratios"].values() for value in ratios.values())
