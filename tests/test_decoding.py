@@ -173,6 +173,48 @@ def test_frame_cap_stops_inspecting_at_the_cap():
     assert capped_s < 0.1 * full_scan_s
 
 
+def s15_fixed16(value: float) -> bytes:
+    return struct.pack(">i", int(round(value * 65536)))
+
+
+def cmyk_to_grey_icc_profile() -> bytes:
+    """A minimal ICC v2 CMYK printer profile whose A2B0 (lut16) maps every ink mix to a neutral grey.
+
+    Pillow ships no CMYK profile, so the test builds one (ICC.1:2001-04: header,
+    tag table, ``desc``, ``wtpt``, ``cprt``, ``A2B0``): output that comes out grey
+    proves the embedded profile, not Pillow's naive conversion, was used.
+    """
+    desc_text = b"Rampart test CMYK to grey\0"
+    desc = (b"desc" + bytes(4) + struct.pack(">I", len(desc_text)) + desc_text + struct.pack(">IIHB", 0, 0, 0, 0)
+            + bytes(67))
+    d50 = s15_fixed16(0.9642) + s15_fixed16(1.0) + s15_fixed16(0.8249)
+    clut = []
+    for c, m, y, k in np.ndindex(2, 2, 2, 2):
+        lightness = 90.0 * (1 - c) * (1 - m) * (1 - y) * (1 - k) + 5.0
+        clut += [int(lightness * 65280 / 100), 128 * 256, 128 * 256]  # L*, a* = b* = 0 (16-bit Lab)
+    a2b0 = (b"mft2" + bytes(4) + struct.pack(">BBBB", 4, 3, 2, 0)
+            + b"".join(s15_fixed16(v) for v in (1, 0, 0, 0, 1, 0, 0, 0, 1)) + struct.pack(">HH", 2, 2)
+            + struct.pack(">8H", *[0, 65535] * 4) + struct.pack(f">{len(clut)}H", *clut)
+            + struct.pack(">6H", *[0, 65535] * 3))
+    tags = [(b"desc", desc), (b"wtpt", b"XYZ " + bytes(4) + d50), (b"cprt", b"text" + bytes(4) + b"none\0"),
+            (b"A2B0", a2b0)]
+    offset, table, data = 128 + 4 + 12 * len(tags), b"", b""
+    for signature, body in tags:
+        table += signature + struct.pack(">II", offset + len(data), len(body))
+        data += body + bytes(-len(body) % 4)
+    header = (struct.pack(">I", offset + len(data)) + bytes(4) + struct.pack(">I", 0x02100000) + b"prtrCMYKLab "
+              + bytes(12) + b"acsp" + bytes(28) + d50 + bytes(48))
+    return header + struct.pack(">I", len(tags)) + table + data
+
+
+def test_cmyk_jpeg_goes_through_its_embedded_icc_profile():
+    cmyk = Image.fromarray(photo("coffee")).convert("CMYK")
+    rgb = np.asarray(decode_image(encode(cmyk, "JPEG", icc_profile=cmyk_to_grey_icc_profile()), LIMITS).image, np.int32)
+    naive = np.asarray(cmyk.convert("RGB"), np.int32)
+    assert np.abs(rgb[..., 0] - rgb[..., 2]).mean() < 2  # the profile's neutral greys
+    assert np.abs(naive[..., 0] - naive[..., 2]).mean() > 50  # what ignoring it would give
+
+
 def test_cmyk_with_an_unusable_icc_profile_still_decodes():
     cmyk = Image.fromarray(photo("coffee")).convert("CMYK")
     data = encode(cmyk, "JPEG", icc_profile=b"not an ICC profile" * 10)
