@@ -24,7 +24,6 @@ each service runs in its own subprocess on 127.0.0.1.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import platform
@@ -38,11 +37,26 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.loadgen import closed_loop, load_bodies, open_loop, summarize
+from bench.loadgen import closed_loop, load_bodies, open_loop, run_sync, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 SLO_MS = 1000.0
 BIN = Path(sys.executable).parent
+
+
+def private_bentoml_home(directory: Path) -> dict[str, str]:
+    """Environment giving one ``bentoml serve`` its own BENTOML_HOME that shares the model store.
+
+    BentoML keeps its Prometheus multiprocess files in ``$BENTOML_HOME/prometheus_multiproc_dir``
+    and empties it whenever a server starts, so two servers under one home erase each
+    other's metrics. ``directory/models`` links to the real store.
+    """
+    real_home = Path(os.environ.get("BENTOML_HOME", Path.home() / "bentoml"))
+    directory.mkdir(parents=True, exist_ok=True)
+    models = directory / "models"
+    if not models.exists():
+        models.symlink_to(real_home / "models", target_is_directory=True)
+    return {"BENTOML_HOME": str(directory)}
 
 
 def free_port() -> int:
@@ -71,7 +85,8 @@ class Service:
         self.log = open(log_dir / f"{name}.log", "wb")
         self.process = subprocess.Popen(self.COMMANDS[name](self.port), cwd=ROOT, stdout=self.log,
                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                        env={**os.environ, **(env or {})})
+                                        env={**os.environ, **private_bentoml_home(log_dir / f"{name}-home"),
+                                             **(env or {})})
 
     def wait_ready(self, bodies: list[bytes], timeout_s: float = 300) -> None:
         """Ready when BentoML's ``/readyz`` says so (runners warmed up), then one real request is answered 200."""
@@ -133,7 +148,7 @@ def ramp(service: Service, bodies: list[bytes], clients: list[int], step_s: floa
     """Closed-loop steps; the knee is the highest throughput with P99 ≤ SLO and ≤ 1% errors (or 429s)."""
     steps = []
     for n in clients:
-        samples = asyncio.run(closed_loop(service.url, bodies, n, step_s, deadline_ms=SLO_MS,
+        samples = run_sync(closed_loop(service.url, bodies, n, step_s, deadline_ms=SLO_MS,
                                           form_field=service.form_field))
         summary = summarize(samples, step_s)
         steps.append({"clients": n, **{k: summary[k] for k in ("throughput_rps", "p50_ms", "p90_ms", "p99_ms",
@@ -148,7 +163,7 @@ def overload(service: Service, bodies: list[bytes], capacity: float, factors: li
     """Open-loop runs at ``factor`` × ``capacity``; goodput counts answers with a model's labels."""
     runs = {}
     for factor in factors:
-        samples = asyncio.run(open_loop(service.url, bodies, factor * capacity, duration_s, deadline_ms=SLO_MS,
+        samples = run_sync(open_loop(service.url, bodies, factor * capacity, duration_s, deadline_ms=SLO_MS,
                                         seed=int(factor * 10), form_field=service.form_field))
         summary = summarize(samples, duration_s)
         served = [s for s in samples if s.status == 200 and s.model is not None and s.latency_ms <= s.deadline_ms]
@@ -162,7 +177,7 @@ def drain(service: Service, bodies: list[bytes], timeout_s: float = 120) -> None
     """Wait until the service answers a request within the SLO again (a baseline may still be queueing)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        samples = asyncio.run(closed_loop(service.url, bodies, 1, 0.5, form_field=service.form_field))
+        samples = run_sync(closed_loop(service.url, bodies, 1, 0.5, form_field=service.form_field))
         if samples and all(s.status == 200 and s.latency_ms <= SLO_MS for s in samples):
             return
         time.sleep(1)

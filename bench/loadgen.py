@@ -21,6 +21,9 @@ driver saturated its own core at about 100 requests/s, so it measured itself.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
+import gc
 import io
 import os
 import random
@@ -30,7 +33,8 @@ from dataclasses import asdict, dataclass
 import aiohttp
 import numpy as np
 
-__all__ = ["Sample", "load_bodies", "unique", "closed_loop", "open_loop", "burst", "summarize", "as_dicts"]
+__all__ = ["Sample", "load_bodies", "unique", "closed_loop", "open_loop", "burst", "summarize", "as_dicts", "run_sync",
+           "no_gc_pauses"]
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,16 @@ async def _send(client: aiohttp.ClientSession, url: str, body: bytes, deadline_m
     return Sample(sent - origin, latency_ms, status, model, reason, high, deadline_ms, server_ms)
 
 
+def _without_gc_pauses(driver):
+    async def wrapped(*args, **kwargs):
+        with no_gc_pauses():
+            return await driver(*args, **kwargs)
+
+    wrapped.__name__, wrapped.__doc__ = driver.__name__, driver.__doc__
+    return wrapped
+
+
+@_without_gc_pauses
 async def closed_loop(url: str, bodies: list[bytes], clients: int, duration_s: float,
                       deadline_ms: float = 10_000, form_field: str | None = None) -> list[Sample]:
     """``clients`` concurrent senders for ``duration_s`` seconds; returns every sample."""
@@ -160,6 +174,7 @@ async def closed_loop(url: str, bodies: list[bytes], clients: int, duration_s: f
     return samples
 
 
+@_without_gc_pauses
 async def open_loop(url: str, bodies: list[bytes], rate: float, duration_s: float, deadline_ms: float = 1000,
                     high_fraction: float = 0.0, seed: int = 0, form_field: str | None = None) -> list[Sample]:
     """Poisson arrivals at ``rate`` requests/s for ``duration_s`` s; ``high_fraction`` sent with ``X-Priority: high``."""
@@ -182,6 +197,7 @@ async def open_loop(url: str, bodies: list[bytes], rate: float, duration_s: floa
         return list(await asyncio.gather(*tasks))
 
 
+@_without_gc_pauses
 async def burst(url: str, bodies: list[bytes], count: int, deadline_ms: float = 1000,
                 high_every: int = 0) -> list[Sample]:
     """``count`` requests sent at once; every ``high_every``-th (if > 0) with ``X-Priority: high``."""
@@ -192,6 +208,31 @@ async def burst(url: str, bodies: list[bytes], count: int, deadline_ms: float = 
             _send(client, url, unique(bodies[i % len(bodies)]), deadline_ms, high_every > 0 and i % high_every == 0, origin)
             for i in range(count)
         )))
+
+
+def run_sync(coroutine):
+    """Run ``coroutine`` to completion from synchronous code, also inside a running event
+    loop (a Jupyter kernel), where it gets a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coroutine)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as executor:
+        return executor.submit(asyncio.run, coroutine).result()
+
+
+@contextlib.contextmanager
+def no_gc_pauses():
+    """Freeze the heap and pause the garbage collector while load runs: a collection in the
+    driving process would stall it for hundreds of ms and be measured as server latency."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.unfreeze()
 
 
 def _percentile(values: list[float], q: float) -> float | None:

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from bench.load_bench import private_bentoml_home
 from bench.loadgen import DEADLINE_SLACK_MS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,7 +70,8 @@ class Server:
         self._log = open(log_path, "wb")
         self.process = subprocess.Popen(
             [BENTOML, "serve", "service:Rampart", "--host", "127.0.0.1", "--port", str(self.port)],
-            cwd=ROOT, env={**os.environ, **env}, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+            cwd=ROOT, env={**os.environ, **private_bentoml_home(log_path.parent / "home"), **env},
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )
 
     def wait_ready(self) -> None:
