@@ -46,12 +46,14 @@ class ResultCache:
         return len(self._entries)
 
     def get(self, key: bytes) -> CachedAnswer | None:
+        """The answer stored for ``key`` (marking it recently used), or None."""
         answer = self._entries.get(key)
         if answer is not None:
             self._entries.move_to_end(key)
         return answer
 
     def put(self, key: bytes, answer: CachedAnswer) -> None:
+        """Store ``answer`` for ``key``, evicting the least recently used beyond ``max_entries``."""
         if self.max_entries <= 0:
             return
         self._entries[key] = answer

@@ -22,6 +22,7 @@ queue: asyncio.Queue = asyncio.Queue()
 
 
 async def batcher() -> None:
+    """Take up to MAX_BATCH queued images within BATCH_WINDOW_S of the first, compute, answer each."""
     loop = asyncio.get_running_loop()
     while True:
         items = [await queue.get()]
@@ -39,11 +40,13 @@ async def batcher() -> None:
 
 @app.on_event("startup")
 async def start() -> None:
+    """Start the batcher task with the app."""
     asyncio.get_running_loop().create_task(batcher())
 
 
 @app.post("/classify")
 async def classify(request: Request) -> dict:
+    """Raw image body in, top-5 labels out, after however long the queue takes."""
     pixels = naive_pixels(await request.body(), resolution)
     future = asyncio.get_running_loop().create_future()
     await queue.put((pixels, future))
