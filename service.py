@@ -82,20 +82,16 @@ async def classify(request: Request) -> JSONResponse:
         deadline = http.parse_deadline(request, settings, service().loop_lag_ms())
         high = http.parse_priority(request)
         classifier = service().classifier
-        admission = classifier.admit(deadline, high)  # sheds (429) before the body is read
-        try:
-            if http.is_multipart(request):
-                body = await http.read_body(request, settings.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
-                files = http.multipart_files(request, body, "image")
-                if len(files) > 1:
-                    raise InvalidParameter("send one part named 'image'; use /classify_batch for several")
-                data = files[0][1]
-            else:
-                data = await http.read_body(request, settings.max_body_bytes)
-        except BaseException:
-            classifier.release(admission)
-            raise
-        result = await classifier.classify(data, top_k, deadline, high, admission)
+        classifier.check_capacity(deadline, high)  # sheds (429) before the body is read
+        if http.is_multipart(request):
+            body = await http.read_body(request, settings.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES, deadline)
+            files = http.multipart_files(request, body, "image")
+            if len(files) > 1:
+                raise InvalidParameter("send one part named 'image'; use /classify_batch for several")
+            data = files[0][1]
+        else:
+            data = await http.read_body(request, settings.max_body_bytes, deadline)
+        result = await classifier.classify(data, top_k, deadline, high)
     except Exception as exc:
         return failed(request, request_id, high, started, exc)
     response = JSONResponse({"request_id": request_id, **result},
@@ -114,7 +110,8 @@ async def classify_batch(request: Request) -> JSONResponse:
         if not http.is_multipart(request):
             raise InvalidParameter("send multipart/form-data with one or more parts named 'images'")
         limit = settings.max_batch_images * (settings.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
-        body = await http.read_body(request, limit)
+        service().classifier.check_capacity(deadline, high)
+        body = await http.read_body(request, limit, deadline)
         files = http.multipart_files(request, body, "images")
         if len(files) > settings.max_batch_images:
             raise InvalidParameter(f"{len(files)} images sent; the limit is {settings.max_batch_images}")

@@ -252,6 +252,15 @@ class AdmissionGate:
         self.on_change(self)
         return ticket
 
+    def has_room(self, high: bool, budget_s: float) -> bool:
+        """Whether ``reserve(high, budget_s)`` would succeed now, without reserving anything."""
+        idle = self.dispatched == 0 and (self.queued_high if high else self.queued) == 0
+        if self.predicted_s(high) > budget_s and not idle:
+            return False
+        if self.dispatched + self.queued < self.window + self.queue_limit:
+            return True
+        return high and any(not ticket.high for ticket in self._pending.values())
+
     def retry_after_s(self) -> float:
         """Seconds until the current queue has drained, at least 1: for ``Retry-After``."""
         ms = self.meter.ms_per_image or 0.0

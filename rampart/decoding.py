@@ -170,13 +170,21 @@ def _check_declared_size(size: tuple[int, int], limits: DecodeLimits) -> None:
 def _check_frames(image: Image.Image, max_frames: int) -> None:
     """Policy: the first frame is classified; files with more than ``max_frames`` are refused.
 
-    Only frames up to index ``max_frames`` are ever inspected: ``n_frames`` would walk
-    the whole file (a 20 MB GIF of tiny frames takes over a second).
+    Only frames up to index ``max_frames`` are ever inspected, and none is decoded:
+    ``n_frames`` would walk the whole file (a 20 MB GIF of tiny frames takes over a
+    second), and Pillow's GIF ``seek(n)`` decodes every earlier frame at full screen
+    size (seconds for a 7000×7000 animation), so GIF frames are skipped with
+    ``_seek(n, update_image=False)``, the header walk ``n_frames`` itself uses
+    (Pillow 13.0, pinned).
     """
     if not getattr(image, "is_animated", False):
         return
     try:
-        image.seek(max_frames)
+        if image.format == "GIF":
+            for frame in range(1, max_frames + 1):
+                image._seek(frame, False)
+        else:
+            image.seek(max_frames)
     except EOFError:
         image.seek(0)
         return

@@ -7,6 +7,8 @@
     │   ├── EmptyBody                 400 empty_body
     │   ├── UndecodableImage          400 undecodable_image
     │   ├── CorruptImage              400 corrupt_image
+    │   ├── BodyTimeout               408 request_timeout
+    │   ├── ClientDisconnected        499 client_disconnected (never seen by the client)
     │   ├── PayloadTooLarge           413 payload_too_large
     │   ├── ImageTooLarge             413 image_too_large
     │   ├── UnsupportedFormat         415 unsupported_format
@@ -33,6 +35,8 @@ __all__ = [
     "EmptyBody",
     "UndecodableImage",
     "CorruptImage",
+    "BodyTimeout",
+    "ClientDisconnected",
     "PayloadTooLarge",
     "ImageTooLarge",
     "UnsupportedFormat",
@@ -88,6 +92,18 @@ class CorruptImage(ImageError):
     """The header was read but the pixel data is truncated or corrupt."""
 
     code, status = "corrupt_image", 400
+
+
+class BodyTimeout(RequestError):
+    """The request body did not fully arrive before the request's deadline."""
+
+    code, status = "request_timeout", 408
+
+
+class ClientDisconnected(RequestError):
+    """The client hung up before sending the whole body (nginx's 499; only logged and counted)."""
+
+    code, status = "client_disconnected", 499
 
 
 class PayloadTooLarge(ImageError):
@@ -155,6 +171,8 @@ class InternalError(RampartError):
 
 
 ERROR_CLASSES: tuple[type[RampartError], ...] = (
+    BodyTimeout,
+    ClientDisconnected,
     EmptyBody,
     UndecodableImage,
     CorruptImage,

@@ -6,17 +6,25 @@ and ``error_response`` is the one place where an error becomes an HTTP response.
 
 from __future__ import annotations
 
-import email.parser
-import email.policy
+import asyncio
 import re
 import uuid
 
-from starlette.requests import Request
+from python_multipart.multipart import MultipartParser, parse_options_header
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
 from .config import Settings
-from .deadline import Deadline
-from .errors import EmptyBody, InvalidParameter, Overloaded, PayloadTooLarge, RampartError
+from .deadline import Deadline, run_within
+from .errors import (
+    BodyTimeout,
+    ClientDisconnected,
+    EmptyBody,
+    InvalidParameter,
+    Overloaded,
+    PayloadTooLarge,
+    RampartError,
+)
 from .results import MAX_TOP_K
 
 __all__ = [
@@ -68,6 +76,10 @@ def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.
         raise InvalidParameter(f"X-Deadline-Ms must be a number of milliseconds, got {raw[:32]!r}") from None
     if not budget > 0 or budget != budget or budget == float("inf"):
         raise InvalidParameter(f"X-Deadline-Ms must be positive and finite, got {raw[:32]!r}")
+    if budget <= settings.answer_margin_ms:
+        raise InvalidParameter(
+            f"X-Deadline-Ms={raw[:32]} leaves no time to answer; it must exceed {settings.answer_margin_ms} ms"
+        )
     return Deadline(max(min(budget, settings.max_deadline_ms) - margin_ms, 0))
 
 
@@ -79,18 +91,33 @@ def parse_priority(request: Request) -> bool:
     return raw == "high"
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, read as it streams in and refused (``PayloadTooLarge``) as soon as it passes ``limit`` bytes."""
+async def read_body(request: Request, limit: int, deadline: Deadline) -> bytes:
+    """The body, read as it streams in, within the request's deadline.
+
+    Raises ``PayloadTooLarge`` as soon as it passes ``limit`` bytes,
+    ``BodyTimeout`` (408) when it has not fully arrived by the deadline (a slow
+    upload holds nothing past its own deadline), and ``ClientDisconnected`` when
+    the client hangs up mid-body.
+    """
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         raise PayloadTooLarge(f"the body is {declared} bytes; the limit is {limit} bytes")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+
+    async def stream() -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"the body is over the limit of {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    try:
+        return await run_within(stream(), deadline.remaining_s())
+    except asyncio.TimeoutError:
+        raise BodyTimeout(f"the body did not arrive within the deadline ({deadline.budget_ms:.0f} ms)") from None
+    except ClientDisconnect:
+        raise ClientDisconnected("the client closed the connection before sending the whole body") from None
 
 
 def is_multipart(request: Request) -> bool:
@@ -101,20 +128,46 @@ def is_multipart(request: Request) -> bool:
 def multipart_files(request: Request, body: bytes, field: str) -> list[tuple[str, bytes]]:
     """``(filename, bytes)`` of every part named ``field``, in order.
 
-    Parts need no Content-Type and no filename. Parsed with the standard
-    library's MIME parser, which keeps binary payloads byte-exact. Raises
-    ``InvalidParameter`` for a body that is not multipart or has no such part.
+    Parts need no Content-Type and no filename. Parsed with python-multipart (the
+    parser Starlette itself uses): linear in the body size, with bounded part
+    headers, so a hostile body cannot stall the event loop. Raises
+    ``InvalidParameter`` for a body that is not valid multipart and ``EmptyBody``
+    when no part has that name.
     """
-    content_type = request.headers.get("content-type", "")
-    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
-        b"Content-Type: " + content_type.encode("latin-1", "replace") + b"\r\n\r\n" + body
-    )
-    if not message.is_multipart():
-        raise InvalidParameter("the multipart/form-data body could not be parsed")
+    _, options = parse_options_header(request.headers.get("content-type", ""))
+    boundary = options.get(b"boundary")
+    if not boundary:
+        raise InvalidParameter("multipart/form-data needs a boundary parameter")
+    parts: list[tuple[list[tuple[bytes, bytes]], list[bytes]]] = []
+    header = [b"", b""]
+
+    def begin() -> None:
+        parts.append(([], []))
+        header[:] = [b"", b""]
+
+    def header_end() -> None:
+        parts[-1][0].append((header[0].lower(), header[1]))
+        header[:] = [b"", b""]
+
+    callbacks = {
+        "on_part_begin": begin,
+        "on_header_field": lambda data, start, end: header.__setitem__(0, header[0] + data[start:end]),
+        "on_header_value": lambda data, start, end: header.__setitem__(1, header[1] + data[start:end]),
+        "on_header_end": header_end,
+        "on_part_data": lambda data, start, end: parts[-1][1].append(data[start:end]),
+    }
+    try:
+        parser = MultipartParser(boundary, callbacks=callbacks)
+        parser.write(body)
+        parser.finalize()
+    except Exception as exc:  # python-multipart raises its own errors for malformed bodies
+        raise InvalidParameter(f"the multipart/form-data body could not be parsed: {exc}") from None
     files = []
-    for part in message.iter_parts():
-        if part.get_param("name", header="content-disposition") == field:
-            files.append((part.get_filename() or "", part.get_payload(decode=True) or b""))
+    for headers, chunks in parts:
+        disposition = dict(headers).get(b"content-disposition", b"")
+        _, params = parse_options_header(disposition)
+        if params.get(b"name", b"").decode("utf-8", "replace") == field:
+            files.append((params.get(b"filename", b"").decode("utf-8", "replace"), b"".join(chunks)))
     if not files:
         raise EmptyBody(f"the multipart body has no part named {field!r}")
     return files

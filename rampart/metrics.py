@@ -107,6 +107,7 @@ def init_runner_series(model: str) -> None:
     """Create a runner's labelled series at 0 (call once in each runner)."""
     TTL_DROPPED.labels(model)
     INFLIGHT_BATCHES.labels(model).set(0)
+    update_process_rss(model, min_interval_s=0.0)
 
 
 _rss_updated_at = 0.0

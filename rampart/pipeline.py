@@ -32,7 +32,7 @@ from PIL import Image
 
 from .admission import AdmissionGate, Shed, ThroughputMeter, Ticket
 from . import metrics
-from .breaker import STATE_VALUES, CircuitBreaker
+from .breaker import OPEN, STATE_VALUES, CircuitBreaker
 from .buckets import Bucket, choose_bucket, fit_to_bucket
 from .cache import CachedAnswer, ResultCache, content_key
 from .config import Settings
@@ -141,6 +141,12 @@ class ModelLane:
         metrics.REJECTED.labels(self.role, reason).inc()
         return attempt
 
+    def has_room(self, high: bool, budget_s: float) -> bool:
+        """Whether ``reserve`` would give a ticket now (breaker and gate), without taking one."""
+        if budget_s <= 0 or (self.breaker is not None and self.breaker.state == OPEN):
+            return False
+        return self.gate.has_room(high, budget_s)
+
     def release(self, ticket: Ticket) -> None:
         """Give back a ticket that will not be used (the upload was bad, or never got this far)."""
         if ticket.queued:
@@ -241,6 +247,23 @@ class Classifier:
         ), None)
         self.cache = ResultCache(settings.cache_size)
         self.limits = decode_limits(settings, [*primary.buckets.values(), *fallback.buckets.values()])
+
+    def check_capacity(self, deadline: Deadline, high: bool) -> None:
+        """Raise ``Overloaded`` (429) when neither model could take a request now.
+
+        Called before the body is read, so shedding costs next to nothing and a slow
+        upload holds no place in any queue; the place itself is taken by ``admit``
+        once the body is in. A deadline shorter than the shortest possible answer is
+        refused the same way, with a message that says so.
+        """
+        if self.primary.has_room(high, deadline.remaining_s(self.settings.fallback_reserve_ms)):
+            return
+        if self.fallback.has_room(high, deadline.remaining_s()):
+            return
+        if deadline.remaining_s() <= 0:
+            raise Overloaded(f"the deadline ({deadline.budget_ms:.0f} ms after margins) leaves no time to answer",
+                             self.primary.gate.retry_after_s())
+        raise Overloaded("both models are at capacity; retry later", self.primary.gate.retry_after_s())
 
     def admit(self, deadline: Deadline, high: bool) -> Admission:
         """Reserve a place for a request arriving now, before its body is read.

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import io
+import json
 import os
+import socket
 import struct
+import time
 
 import httpx
 import numpy as np
@@ -163,3 +166,38 @@ def test_32_concurrent_8k_uploads_stay_memory_bounded(server):
     growth_mb = (peak[0] - baseline) / 1e6
     assert growth_mb < BURST_RSS_GROWTH_BOUND_MB, f"RSS grew by {growth_mb:.0f} MB"
     assert httpx.get(f"{server.url}/readyz").status_code == 200
+
+
+def test_multipart_with_huge_part_headers_is_refused_fast(http):
+    """300 KB of Content-Disposition parameters: refused by the parser's header bound, not parsed for seconds."""
+    png = encode(photo("chelsea")[:64, :64], "PNG")
+    body = (b'--XyZ\r\nContent-Disposition: form-data; name="image"' + b"; a=b" * 60000 + b"\r\n\r\n" + png
+            + b"\r\n--XyZ--\r\n")
+    response = http.post("/classify", content=body, headers={"Content-Type": "multipart/form-data; boundary=XyZ"})
+    assert response.status_code == 422 and response.json()["error"]["code"] == "invalid_parameter"
+    assert http.post("/classify", content=encode(photo("chelsea"))).status_code == 200
+
+
+def test_slow_upload_gets_408_at_its_deadline_and_holds_no_place(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /classify HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\nX-Deadline-Ms: 700\r\n"
+                     b"X-Request-Id: slow-upload\r\n\r\n" + b"\xff\xd8\xff")
+        sock.settimeout(10)
+        reply = sock.recv(65536)
+    assert reply.startswith(b"HTTP/1.1 408") and b"request_timeout" in reply
+    stats = httpx.get(f"{server.url}/stats", timeout=10).json()
+    assert stats["primary"]["queued"] == 0 and stats["fallback"]["queued"] == 0
+
+
+def test_client_hanging_up_mid_body_is_logged_as_499_not_500(server):
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"POST /classify HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\nX-Request-Id: hang-up\r\n\r\n"
+                     + b"\xff\xd8\xff")
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [line for line in server.log_path.read_text(errors="replace").splitlines() if '"hang-up"' in line]
+        if lines:
+            break
+        time.sleep(0.2)
+    assert lines and json.loads(lines[0])["status"] == 499 and json.loads(lines[0])["code"] == "client_disconnected"
+

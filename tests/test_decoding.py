@@ -207,6 +207,21 @@ def cmyk_to_grey_icc_profile() -> bytes:
     return header + struct.pack(">I", len(tags)) + table + data
 
 
+def test_frame_cap_never_decodes_earlier_frames():
+    """120 one-pixel frames on a 7000×7000 GIF screen: Pillow's seek() would composite each at full size."""
+    screen = b"GIF89a" + struct.pack("<HH", 7000, 7000) + b"\x00\x00\x00"
+    frame = b"\x2c" + struct.pack("<HHHH", 0, 0, 1, 1) + b"\x00\x02\x02\x44\x01\x00"
+    data = screen + frame * 120 + b";"
+    start = time.perf_counter()
+    with pytest.raises(errors.TooManyFrames):
+        decode_image(data, LIMITS)
+    capped_s = time.perf_counter() - start
+    start = time.perf_counter()
+    Image.open(io.BytesIO(data)).seek(20)  # what seeking costs, same run: a sixth of the way only
+    seek_s = time.perf_counter() - start
+    assert capped_s < 0.1 * seek_s
+
+
 def test_cmyk_jpeg_goes_through_its_embedded_icc_profile():
     cmyk = Image.fromarray(photo("coffee")).convert("CMYK")
     rgb = np.asarray(decode_image(encode(cmyk, "JPEG", icc_profile=cmyk_to_grey_icc_profile()), LIMITS).image, np.int32)
