@@ -41,7 +41,8 @@ def test_five_times_capacity_open_loop(server):
     late = [(round(s.sent_s, 2), round(s.latency_ms), s.server_ms, s.status, s.degraded_reason) for s in samples
             if s.latency_ms > s.deadline_ms + SLACK_MS]
     assert not late, (report, late[:20])
-    served = [s for s in samples if s.status == 200 and s.model is not None and s.latency_ms <= s.deadline_ms]
+    # Served: a 200 within the deadline, full or degraded (the static answer is the chain's last step).
+    served = [s for s in samples if s.status == 200 and s.latency_ms <= s.deadline_ms]
     assert len(served) >= 0.9 * c * OVERLOAD_SECONDS, report
     shed = [s.latency_ms for s in samples if s.status == 429]
     full = [s.latency_ms for s in samples if s.status == 200 and s.degraded_reason is None]
