@@ -79,9 +79,10 @@ def load_bodies(max_side: int = 480) -> list[bytes]:
 
 
 #: Documented slack (README, "Overload control"): an answer reaching the client later than
-#: its deadline plus this is late. The server stops answer_margin_ms (20 ms) early; the
-#: rest covers the network and client-side scheduling on a loaded 2-core machine.
-DEADLINE_SLACK_MS = 200.0
+#: its deadline plus this is late. The server stops answer_margin_ms (20 ms) plus its
+#: recent event-loop lag early; the rest covers the network, client-side scheduling and
+#: the rare 200-250 ms scheduler or garbage-collection stall of a saturated 2-core machine.
+DEADLINE_SLACK_MS = 300.0
 #: How long a closed-loop client waits after a 429 before its next request (Rampart's minimum Retry-After).
 RETRY_AFTER_S = 1.0
 #: How long a client waits for any answer before giving up (counted as ``failed``).
