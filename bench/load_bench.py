@@ -59,6 +59,17 @@ def private_bentoml_home(directory: Path) -> dict[str, str]:
     return {"BENTOML_HOME": str(directory)}
 
 
+def stop_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM the process group started with ``start_new_session``; SIGKILL it after 30 s."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -111,12 +122,7 @@ class Service:
         raise RuntimeError(f"{self.name} not ready after {timeout_s} s")
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
+        stop_process_group(self.process)
         self.log.close()
 
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import io
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,7 +14,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench.load_bench import private_bentoml_home
+from bench.load_bench import free_port, private_bentoml_home, stop_process_group
 from bench.loadgen import DEADLINE_SLACK_MS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,12 +52,6 @@ SLACK_MS = DEADLINE_SLACK_MS  # the documented slack beyond a deadline (bench/lo
 PHOTOS = {"chelsea": CAT, "coffee": COFFEE, "rocket": ROCKET, "china": CHINA}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Server:
     """A ``bentoml serve service:Rampart`` process group on a free 127.0.0.1 port."""
 
@@ -91,13 +83,7 @@ class Server:
         return self.log_path.read_text(errors="replace")[-5000:]
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        stop_process_group(self.process)
         self._log.close()
 
 
