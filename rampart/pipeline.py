@@ -297,17 +297,15 @@ class Classifier:
         bucket = choose_bucket(*image.size, lane.endpoint.buckets)
         return bucket, fit_to_bucket(image, bucket, self.settings.crop_margin)
 
-    async def classify(self, data: bytes, top_k: int, deadline: Deadline, high: bool = False,
-                       admission: Admission | None = None) -> dict:
+    async def classify(self, data: bytes, top_k: int, deadline: Deadline, high: bool = False) -> dict:
         """The response body for one image (see README, "API").
 
-        ``admission`` is what ``admit`` granted on arrival; without one, it is taken
-        now. Raises ``rampart.errors.ImageError`` for a bad upload (``DecodeTimeout``
+        Takes the request's place (``admit``) now that its body is in. Raises ``rampart.errors.ImageError`` for a bad upload (``DecodeTimeout``
         when decoding runs past ``decode_timeout_ms``) and ``Overloaded`` when
         decoding capacity is exhausted or both models shed the request and nothing
         is cached; model failures never raise.
         """
-        admission = admission or self.admit(deadline, high)
+        admission = self.admit(deadline, high)
         try:
             result = await self._classify(data, top_k, deadline, high, admission)
         finally:
