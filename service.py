@@ -27,10 +27,11 @@ from starlette.routing import Route
 
 from rampart import http, metrics
 from rampart.accesslog import log_request, server_timing
+from rampart.arrival import bound_inflight, stamp_arrivals
 from rampart.bentoml_fixes import cancel_request_timers
 from rampart.buckets import buckets_for_resolution
 from rampart.config import get_settings
-from rampart.errors import InternalError, InvalidParameter, RampartError
+from rampart.errors import InternalError, InvalidParameter, Overloaded, RampartError
 from rampart.looplag import LoopLagMonitor
 from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer
 from rampart.pool import BoundedPool
@@ -41,6 +42,7 @@ from runners.primary import Primary
 logger = logging.getLogger("rampart.service")
 settings = get_settings()
 cancel_request_timers()  # BentoML 1.4.29 keeps every request alive for traffic.timeout: see the module
+stamp_arrivals()  # deadlines count from each request's first byte: see rampart.arrival
 
 
 def model_endpoint(tag: str, runner) -> ModelEndpoint:
@@ -94,6 +96,7 @@ async def classify(request: Request) -> JSONResponse:
         result = await classifier.classify(data, top_k, deadline, high)
     except Exception as exc:
         return failed(request, request_id, high, started, exc)
+    result["timings_ms"] = {"before_handler": round(deadline.before_handler_ms(), 3), **result["timings_ms"]}
     response = JSONResponse({"request_id": request_id, **result},
                             headers={"X-Request-Id": request_id, "Server-Timing": server_timing(result["timings_ms"])})
     finished(request, request_id, high, started, 200, "ok", result)
@@ -171,6 +174,15 @@ async def runner_stats(runner) -> dict | None:
         return None
 
 
+async def refuse_before_admission(scope, receive, send) -> None:
+    """429 ``overloaded`` for a request over the in-flight bound (see ``rampart.arrival``), before any middleware."""
+    request = Request(scope, receive)
+    request_id = http.request_id_of(request)
+    error = Overloaded("too many requests in flight; retry later", service().classifier.retry_after_s())
+    response = failed(request, request_id, False, time.perf_counter(), error)
+    await response(scope, receive, send)
+
+
 def service() -> "Rampart":
     """The running ``Rampart`` instance of this worker."""
     return bentoml.get_current_service()
@@ -201,6 +213,7 @@ class Rampart:
             BoundedPool(settings.decode_workers, settings.decode_queue, nice=settings.decode_nice),
         )
         self.loop_lag = LoopLagMonitor()
+        bound_inflight(self.classifier.inflight_limit, refuse_before_admission, ("/classify", "/classify_batch"))
         metrics.init_api_series()
         self._ready = False
         # Move everything built at start-up out of the garbage collector's reach, so

@@ -2,7 +2,13 @@
 
 - ``closed_loop(url, bodies, clients, duration_s)``: ``clients`` tasks, each sending
   its next request as soon as the last one is answered (after a 429, once the
-  ``Retry-After`` second has passed); measures capacity.
+  ``Retry-After`` second has passed); measures capacity. ``closed_loop_round``
+  does the same and also returns the client's own CPU time; ``client="httpx"``
+  drives it with an ``httpx.AsyncClient`` instead of aiohttp, the way many users'
+  scripts (and Rampart's SDK) do.
+- ``sweep(url, bodies, connections, round_s)``: closed-loop rounds at each
+  connection count, with a 1-connection round after each overload round, so that
+  any after-effect (hysteresis) of the overload shows.
 - ``open_loop(url, bodies, rate, duration_s)``: Poisson arrivals at ``rate`` per
   second, independent of how fast answers come back, the way real overload
   arrives; each arrival is its own task.
@@ -14,8 +20,11 @@
 all three aspect classes (square, landscape, portrait), at most 480 px on the
 long side so that client-side CPU stays small next to the server's.
 
-The client is aiohttp rather than httpx: on the 2-core CI machine an httpx
-driver saturated its own core at about 100 requests/s, so it measured itself.
+The default client is aiohttp rather than httpx: on the 2-core CI machine an
+httpx driver saturated its own core at about 100 requests/s, so it measured
+itself. Every round reports the client's CPU time per request
+(``client_cpu_ms_per_request``, from ``time.process_time()`` of this process), so
+a client that becomes the bottleneck is seen, not mistaken for the server.
 """
 
 from __future__ import annotations
@@ -31,17 +40,19 @@ import time
 from dataclasses import asdict, dataclass
 
 import aiohttp
+import httpx
 import numpy as np
 
-__all__ = ["Sample", "load_bodies", "unique", "closed_loop", "open_loop", "burst", "summarize", "as_dicts", "run_sync",
-           "no_gc_pauses"]
+__all__ = ["Sample", "Round", "load_bodies", "unique", "closed_loop", "closed_loop_round", "sweep", "open_loop", "burst",
+           "summarize", "as_dicts", "run_sync", "no_gc_pauses"]
 
 
 @dataclass(frozen=True)
 class Sample:
     """One request: ``sent_s`` (seconds since the run started), ``latency_ms``, HTTP ``status``,
-    the answering ``model`` name (None if none), ``degraded_reason``, ``high`` priority, ``deadline_ms``
-    and ``server_ms``, the server's own ``timings_ms.total`` (None when absent)."""
+    the answering ``model`` name (None if none), ``degraded_reason``, ``high`` priority, ``deadline_ms``,
+    ``server_ms``, the server's own ``timings_ms.total``, and ``retry_after_s``, the ``Retry-After``
+    header in seconds (None when absent)."""
 
     sent_s: float
     latency_ms: float
@@ -51,6 +62,25 @@ class Sample:
     high: bool
     deadline_ms: float
     server_ms: float | None = None
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Round:
+    """One closed-loop round: ``connections``, the ``client`` library, its ``samples``, ``duration_s``
+    and the client process's CPU seconds spent meanwhile (``client_cpu_s``, ``time.process_time()``)."""
+
+    connections: int
+    client: str
+    samples: list[Sample]
+    duration_s: float
+    client_cpu_s: float
+
+    def summary(self, slack_ms: float | None = None) -> dict:
+        """``summarize`` of the samples plus ``connections``, ``client`` and ``client_cpu_ms_per_request``."""
+        summary = summarize(self.samples, self.duration_s, DEADLINE_SLACK_MS if slack_ms is None else slack_ms)
+        return {"connections": self.connections, "client": self.client, **summary,
+                "client_cpu_ms_per_request": round(self.client_cpu_s * 1000.0 / max(len(self.samples), 1), 3)}
 
 
 def load_bodies(max_side: int = 480) -> list[bytes]:
@@ -129,16 +159,25 @@ async def _send(client: aiohttp.ClientSession, url: str, body: bytes, deadline_m
     try:
         async with client.post(url, data=data, headers=headers) as response:
             status = response.status
+            retry_after = _seconds(response.headers.get("Retry-After"))
             payload = await response.json() if response.content_type == "application/json" else {}
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
-        status, payload = 0, {}  # connection refused or reset, or the client gave up: counted as failed
+        status, payload, retry_after = 0, {}, None  # connection refused or reset, or the client gave up: failed
     if isinstance(payload, list):  # a batchable BentoML API answers a one-item list
         payload = payload[0] if payload else {}
     latency_ms = (time.perf_counter() - sent) * 1000.0
     model = (payload.get("model") or {}).get("name") if isinstance(payload, dict) else None
     reason = payload.get("degraded_reason") if isinstance(payload, dict) else None
     server_ms = (payload.get("timings_ms") or {}).get("total") if isinstance(payload, dict) else None
-    return Sample(sent - origin, latency_ms, status, model, reason, high, deadline_ms, server_ms)
+    return Sample(sent - origin, latency_ms, status, model, reason, high, deadline_ms, server_ms, retry_after)
+
+
+def _seconds(raw: str | None) -> float | None:
+    """A ``Retry-After`` value in seconds (delta-seconds form), or None."""
+    try:
+        return float(raw) if raw is not None else None
+    except ValueError:
+        return None
 
 
 def _without_gc_pauses(driver):
@@ -150,29 +189,95 @@ def _without_gc_pauses(driver):
     return wrapped
 
 
+async def _send_httpx(client: httpx.AsyncClient, url: str, body: bytes, deadline_ms: float, origin: float) -> Sample:
+    """``_send`` through an ``httpx.AsyncClient`` (raw body)."""
+    headers = {"X-Deadline-Ms": str(int(deadline_ms)), "Content-Type": "image/jpeg"}
+    sent = time.perf_counter()
+    try:
+        response = await client.post(url, content=body, headers=headers)
+        status, retry_after = response.status_code, _seconds(response.headers.get("retry-after"))
+        payload = response.json() if response.headers.get("content-type", "").startswith("application/json") else {}
+    except (httpx.HTTPError, ValueError):
+        status, payload, retry_after = 0, {}, None
+    latency_ms = (time.perf_counter() - sent) * 1000.0
+    payload = payload if isinstance(payload, dict) else {}
+    return Sample(sent - origin, latency_ms, status, (payload.get("model") or {}).get("name"),
+                  payload.get("degraded_reason"), False, deadline_ms, (payload.get("timings_ms") or {}).get("total"),
+                  retry_after)
+
+
 @_without_gc_pauses
 async def closed_loop(url: str, bodies: list[bytes], clients: int, duration_s: float,
                       deadline_ms: float = 10_000, form_field: str | None = None) -> list[Sample]:
-    """``clients`` concurrent senders for ``duration_s`` seconds; returns every sample."""
+    """``clients`` concurrent senders (aiohttp) for ``duration_s`` seconds; returns every sample."""
+    return (await _closed_loop(url, bodies, clients, duration_s, deadline_ms, form_field, "aiohttp")).samples
+
+
+@_without_gc_pauses
+async def closed_loop_round(url: str, bodies: list[bytes], connections: int, duration_s: float,
+                            deadline_ms: float = 1000, client: str = "aiohttp") -> Round:
+    """``connections`` concurrent closed-loop senders for ``duration_s`` s with ``client`` ``aiohttp`` or ``httpx``.
+
+    Each sender uses its own keep-alive connection, opened before the clock starts,
+    and waits ``RETRY_AFTER_S`` after a 429. Returns the samples and the CPU time
+    this process spent during the round.
+    """
+    return await _closed_loop(url, bodies, connections, duration_s, deadline_ms, None, client)
+
+
+async def _closed_loop(url: str, bodies: list[bytes], clients: int, duration_s: float, deadline_ms: float,
+                       form_field: str | None, client_kind: str) -> Round:
     samples: list[Sample] = []
     origin = stop = 0.0  # set once the connections are open
 
-    async def sender(client: aiohttp.ClientSession, index: int) -> None:
+    async def sender(send, index: int) -> None:
         i = index
         while time.perf_counter() < stop:
-            body = unique(bodies[i % len(bodies)])
-            sample = await _send(client, url, body, deadline_ms, False, origin, form_field)
+            sample = await send(unique(bodies[i % len(bodies)]))
             samples.append(sample)
             if sample.status == 429:  # a well-behaved client backs off (Retry-After is at least 1 s)
                 await asyncio.sleep(RETRY_AFTER_S)
             i += clients
 
-    async with _client(clients) as client:
-        await _open_connections(client, url, clients)
+    if client_kind == "httpx":
+        limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+        session = httpx.AsyncClient(limits=limits, timeout=CLIENT_TIMEOUT_S)
+        livez = "/".join(url.split("/", 3)[:3]) + "/livez"
+        await asyncio.gather(*(session.get(livez) for _ in range(clients)))
+
+        def send(body):
+            return _send_httpx(session, url, body, deadline_ms, origin)
+
+        close = session.aclose
+    else:
+        session = _client(clients)
+        await _open_connections(session, url, clients)
+
+        def send(body):
+            return _send(session, url, body, deadline_ms, False, origin, form_field)
+
+        close = session.close
+    try:
+        cpu = time.process_time()
         origin = time.perf_counter()
         stop = origin + duration_s
-        await asyncio.gather(*(sender(client, i) for i in range(clients)))
-    return samples
+        await asyncio.gather(*(sender(send, i) for i in range(clients)))
+        elapsed, cpu = time.perf_counter() - origin, time.process_time() - cpu
+    finally:
+        await close()
+    return Round(clients, client_kind, samples, max(elapsed, duration_s), cpu)
+
+
+def sweep(url: str, bodies: list[bytes], connections: tuple[int, ...] = (1, 4, 16, 64, 256), round_s: float = 10.0,
+          deadline_ms: float = 1000, client: str = "aiohttp", overload_from: int = 64) -> list[Round]:
+    """Closed-loop rounds at each of ``connections``, each round at ``overload_from`` or more
+    connections followed by a 1-connection round (the after-effect check). Synchronous."""
+    rounds = []
+    for count in connections:
+        rounds.append(run_sync(closed_loop_round(url, bodies, count, round_s, deadline_ms, client)))
+        if count >= overload_from:
+            rounds.append(run_sync(closed_loop_round(url, bodies, 1, round_s, deadline_ms, client)))
+    return rounds
 
 
 @_without_gc_pauses
@@ -245,7 +350,9 @@ def summarize(samples: list[Sample], duration_s: float, slack_ms: float = DEADLI
 
     ``goodput_rps``: 200 answers (full or degraded) within their deadline, per
     second. ``late``: any answer later than its deadline + ``slack_ms``.
-    ``p99_accepted_ms``: P99 latency of 200 answers.
+    ``p99_accepted_ms``: P99 latency of 200 answers; ``late_200``: 200 answers
+    later than deadline + ``slack_ms``; ``failed``: no HTTP answer at all
+    (connection refused or reset, or the client's own timeout).
     """
     ok = [s for s in samples if s.status == 200]
     good = [s for s in ok if s.latency_ms <= s.deadline_ms]
@@ -263,6 +370,7 @@ def summarize(samples: list[Sample], duration_s: float, slack_ms: float = DEADLI
         "errors_5xx": sum(1 for s in samples if s.status >= 500),
         "failed": sum(1 for s in samples if s.status == 0),
         "late": sum(1 for s in samples if s.latency_ms > s.deadline_ms + slack_ms),
+        "late_200": sum(1 for s in ok if s.latency_ms > s.deadline_ms + slack_ms),
         "shed_rate": round(sum(1 for s in samples if s.status == 429) / n, 4),
         "degraded_rate": round(sum(1 for s in ok if s.degraded_reason is not None) / n, 4),
         "p50_ms": _percentile(latencies, 50),

@@ -56,27 +56,47 @@ class ThroughputMeter:
 
     The gate reports when the model is busy (anything dispatched) and each image
     answered in time. Throughput is images completed while busy divided by time
-    spent busy, both exponentially decayed with time constant ``tau_s``. It sees
-    everything that slows the model down at the current load (batch sizes,
-    batches of the three buckets taking turns, contention for the CPU or GPU,
-    transport), and calls that time out add time but no images. Idle time is not
-    counted. The runner's warm-up (a timed full batch) seeds it; ``override_ips``
-    > 0 fixes it instead (setting ``<model>_throughput_ips``).
+    spent busy, both exponentially weighted with time constant ``tau_s`` of *busy*
+    time. It sees everything that slows the model down at the current load (batch
+    sizes, batches of the three buckets taking turns, contention for the CPU or
+    GPU, transport), and calls that time out add time but no images.
+
+    Idle time changes nothing: the meter's clock stops while the model is idle, so
+    after any idle spell the estimate is the one the model last earned, and a
+    burst is judged by it (if idle time decayed both sums, the first busy second of
+    a burst would see about 0 images in 1 s and predict hours). Nor does the
+    estimate ever fall below ``floor_fraction`` of the warm-up speed: a model
+    that completes nothing at all (hung) is the circuit breaker's business, and a
+    meter near zero would only turn into absurd ``Retry-After`` values.
+
+    The runner's warm-up (a timed full batch) seeds it, worth one second of
+    observation; ``override_ips`` > 0 fixes it instead (setting
+    ``<model>_throughput_ips``). Units: seconds, images, images per second.
     """
 
-    def __init__(self, override_ips: float = 0.0, tau_s: float = 5.0, clock=time.monotonic) -> None:
+    #: Lowest estimate, as a fraction of the warm-up speed. Under overload on the 2-core
+    #: machine the primary serves 35-42 requests/s against 89 images/s at warm-up, about
+    #: 0.4-0.5 of it (README, "Overload control"); a tenth leaves room for worse hosts.
+    FLOOR_FRACTION = 0.1
+
+    def __init__(self, override_ips: float = 0.0, tau_s: float = 5.0, clock=time.monotonic,
+                 floor_fraction: float = FLOOR_FRACTION) -> None:
         self.override_ips = override_ips
         self.tau_s = tau_s
         self.clock = clock
+        self.floor_fraction = floor_fraction
+        self.seed_ips: float | None = None
         self._images = 0.0
         self._busy_s = 0.0
         self._busy = False
         self._last = clock()
 
     def seed(self, ms_per_image: float) -> None:
-        """Start from a warm-up measurement (ms per image at full batch), worth one second of observation."""
-        if self._busy_s == 0 and ms_per_image > 0:
-            self._images, self._busy_s = 1000.0 / ms_per_image, 1.0
+        """Start from a warm-up measurement (ms per image at full batch), worth one second of busy time."""
+        if ms_per_image > 0:
+            self.seed_ips = 1000.0 / ms_per_image
+            if self._busy_s == 0:
+                self._images, self._busy_s = self.seed_ips, 1.0
 
     def busy(self, busy: bool) -> None:
         """The model is (or is no longer) busy from now on."""
@@ -90,19 +110,30 @@ class ThroughputMeter:
 
     def _advance(self) -> None:
         now = self.clock()
-        decay = math.exp(-(now - self._last) / self.tau_s)
-        self._images *= decay
-        self._busy_s = self._busy_s * decay + (self.tau_s * (1.0 - decay) if self._busy else 0.0)
+        if self._busy:  # only busy time moves the meter: idle time neither decays nor dilutes it
+            decay = math.exp(-(now - self._last) / self.tau_s)
+            self._images *= decay
+            self._busy_s = self._busy_s * decay + self.tau_s * (1.0 - decay)
         self._last = now
 
     @property
     def ips(self) -> float | None:
-        """Images per second, or ``None`` before any measurement."""
+        """Images per second (at least ``floor_fraction`` × the warm-up speed), or ``None`` before any measurement."""
         if self.override_ips > 0:
             return self.override_ips
-        if self._busy_s <= 0 or self._images <= 0:
+        self._advance()
+        if self._busy_s <= 0:
             return None
-        return self._images / self._busy_s
+        floor = self.floor_fraction * self.seed_ips if self.seed_ips else 0.0
+        ips = max(self._images / self._busy_s, floor)
+        return ips if ips > 0 else None
+
+    @property
+    def floor_ips(self) -> float | None:
+        """The lowest value ``ips`` can take (``override_ips`` when fixed), or ``None`` before the warm-up seed."""
+        if self.override_ips > 0:
+            return self.override_ips
+        return self.floor_fraction * self.seed_ips if self.seed_ips else None
 
     @property
     def ms_per_image(self) -> float | None:
@@ -261,10 +292,33 @@ class AdmissionGate:
             return True
         return high and any(not ticket.high for ticket in self._pending.values())
 
+    def drain_s(self) -> float:
+        """Seconds until everything dispatched and queued now has been answered (0 before any measurement)."""
+        return self.completion_s(self.dispatched + self.queued)
+
+    @property
+    def retry_after_cap_s(self) -> float:
+        """The longest ``Retry-After`` this gate ever gives: the drain time of a full gate at the meter's floor.
+
+        ``(window + queue_limit) × ms_per_image`` with the lowest throughput the meter
+        can report (``ThroughputMeter.floor_ips``; with it the queue limit is at
+        least one batch), rounded up to whole seconds, at least 1. Before the
+        warm-up seed: 1 s.
+        """
+        floor = self.meter.floor_ips
+        if floor is None:
+            return 1.0
+        queue_limit = max(self.max_batch_size, int(floor * self.queue_delay_ms / 1000.0))
+        images = math.ceil((self.window + queue_limit) / self.max_batch_size) * self.max_batch_size
+        return max(1.0, math.ceil(images / floor))
+
     def retry_after_s(self) -> float:
-        """Seconds until the current queue has drained, at least 1: for ``Retry-After``."""
-        ms = self.meter.ms_per_image or 0.0
-        return max(1.0, math.ceil((self.dispatched + self.queued) * ms / 1000.0))
+        """Seconds until the current queue has drained, in whole seconds, within 1..``retry_after_cap_s``.
+
+        For ``Retry-After``: the drain time of what is dispatched and queued now
+        (``drain_s``), never more than the drain time of a full gate.
+        """
+        return min(max(1.0, math.ceil(self.drain_s())), self.retry_after_cap_s)
 
     def _forget(self, ticket: Ticket) -> None:
         del self._pending[ticket.seq]

@@ -8,10 +8,15 @@
 - **half_open**: up to ``probes`` calls at a time go through as probes; ``probes``
   successes in a row close the breaker, one failure opens it again.
 
-Load shedding is not a failure: only calls that reached the model count. The
-pipeline counts a timeout as a failure only when the model answered nothing else
-while the call waited (see ``rampart.pipeline.ModelLane``), so overload alone
-never opens the breaker; a hung or failing model does.
+Busy is not broken. Load shedding is not a failure: only calls that reached the
+model count. The pipeline counts a timeout as a failure only when the runner
+sent nothing back at all while the call waited: no answer, not even a late one
+for a caller that had given up, and no TTL drop (see
+``rampart.pipeline.ModelLane``). An overloaded model keeps answering, only not
+in time for everyone, so overload alone never opens the breaker; a hung model
+(nothing comes back) or a failing one (errors) does. A model that is merely slow
+is the admission gate's business: its measured throughput falls and requests go
+to the fallback as ``primary_overloaded``.
 """
 
 from __future__ import annotations

@@ -75,6 +75,8 @@ class Settings(BaseModel):
     fallback_queue_delay_ms: int = Field(200, gt=0)
     primary_throughput_ips: float = Field(0.0, ge=0.0)
     fallback_throughput_ips: float = Field(0.0, ge=0.0)
+    # Time constant of the measured throughput, in busy time (idle time does not count).
+    throughput_tau_ms: int = Field(5_000, gt=0)
     # Niceness of the runner processes. On a CPU-only host inference then yields the CPU
     # to the API layer, which must keep answering (and shedding) under overload, and the
     # fallback yields to the primary, whose full answers are worth more.

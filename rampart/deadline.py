@@ -1,6 +1,8 @@
 """Deadlines: one end-to-end budget per request, passed explicitly everywhere.
 
 A ``Deadline`` is fixed when the request arrives (``X-Deadline-Ms``) and covers
+everything from its arrival (first byte, or a load balancer's ``X-Request-Start``:
+see ``rampart.arrival``) to the answer: waiting before the handler, body upload,
 decode, queueing and inference. The runners live in other processes, so what
 crosses to them is an absolute wall-clock time (``time.time()`` seconds), which
 is comparable across processes on one host.
@@ -10,21 +12,31 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Awaitable, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Awaitable, TypeVar
+
+if TYPE_CHECKING:
+    from .arrival import Arrival
 
 T = TypeVar("T")
-from dataclasses import dataclass, field
 
 __all__ = ["Deadline", "run_within"]
 
 
 @dataclass(frozen=True)
 class Deadline:
-    """An absolute deadline. ``budget_ms`` is the whole budget; times are seconds."""
+    """An absolute deadline. ``budget_ms`` is the whole budget, counted from ``start_monotonic``
+    (``time.monotonic()`` s) = ``start_wall`` (``time.time()`` s), the request's arrival; ``arrival``
+    says how that was found (None: when the ``Deadline`` was made)."""
 
     budget_ms: float
     start_monotonic: float = field(default_factory=time.monotonic)
     start_wall: float = field(default_factory=time.time)
+    arrival: "Arrival | None" = None
+
+    def before_handler_ms(self) -> float:
+        """Milliseconds between the request's arrival and its handler's start (0 when unknown)."""
+        return 0.0 if self.arrival is None else self.arrival.before_handler_ms
 
     def elapsed_ms(self) -> float:
         """Milliseconds since the request arrived."""

@@ -14,6 +14,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
+from .arrival import arrival_of
 from .config import Settings
 from .deadline import Deadline, run_within
 from .errors import (
@@ -63,13 +64,18 @@ def parse_top_k(request: Request) -> int:
 def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.0) -> Deadline:
     """``X-Deadline-Ms``: a positive number of ms, default ``default_deadline_ms``, capped at ``max_deadline_ms``.
 
-    The ``Deadline`` returned ends ``answer_margin_ms`` + ``loop_lag_ms`` (the event
-    loop's recent lag) earlier, so the answer is sent by the client's deadline.
+    The budget is counted from the request's arrival (``rampart.arrival``: its
+    first byte, or an earlier ``X-Request-Start`` from a load balancer), not from
+    the handler's start; ``Deadline.arrival`` keeps it. The ``Deadline``
+    returned also ends ``answer_margin_ms`` + ``loop_lag_ms`` (the event loop's
+    recent lag) earlier, so the answer is sent by the client's deadline.
+    Raises ``InvalidParameter`` for a malformed value.
     """
+    arrival = arrival_of(request.scope, request.headers.get("x-request-start"), settings.max_deadline_ms)
     margin_ms = settings.answer_margin_ms + loop_lag_ms
     raw = request.headers.get("x-deadline-ms")
     if raw is None:
-        return Deadline(max(settings.default_deadline_ms - margin_ms, 0))
+        return Deadline(max(settings.default_deadline_ms - margin_ms, 0), arrival.monotonic, arrival.wall, arrival)
     try:
         budget = float(raw)
     except ValueError:
@@ -80,7 +86,7 @@ def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.
         raise InvalidParameter(
             f"X-Deadline-Ms={raw[:32]} leaves no time to answer; it must exceed {settings.answer_margin_ms} ms"
         )
-    return Deadline(max(min(budget, settings.max_deadline_ms) - margin_ms, 0))
+    return Deadline(max(min(budget, settings.max_deadline_ms) - margin_ms, 0), arrival.monotonic, arrival.wall, arrival)
 
 
 def parse_priority(request: Request) -> bool:

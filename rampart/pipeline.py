@@ -115,7 +115,7 @@ class ModelLane:
         self.endpoint = endpoint
         self.gate = gate
         self.breaker = breaker
-        self.successes = 0  # answers in time, ever: the model's progress
+        self.responses = 0  # runner responses ever (answers, late answers, TTL drops): the model's progress
         gate.on_change = self._publish_queue
 
     def _publish_queue(self, gate: AdmissionGate) -> None:
@@ -159,18 +159,23 @@ class ModelLane:
         bucket, pixels = inputs
         budget_s = deadline.remaining_s(reserve_ms)
         dispatched = False
-        progress_at_dispatch = self.successes
+        progress_at_dispatch = self.responses
 
         async def admitted_call() -> RunnerAnswer:
             nonlocal dispatched, progress_at_dispatch
             async with ticket.turn(lambda: deadline.remaining_s(reserve_ms), bucket.name):
-                dispatched, progress_at_dispatch = True, self.successes
-                return await self.endpoint.call(bucket.name, pixels, deadline.wall_clock_at(reserve_ms))
+                dispatched, progress_at_dispatch = True, self.responses
+                call = asyncio.ensure_future(self.endpoint.call(bucket.name, pixels, deadline.wall_clock_at(reserve_ms)))
+                call.add_done_callback(self._responded)
+                # Shielded: when this request stops waiting, the runner call still finishes
+                # (the runner has the item either way), so its answer counts as progress.
+                return await asyncio.shield(call)
 
         def timed_out() -> Attempt:
-            # A late call is a failure for the breaker only if the model answered nothing
-            # else meanwhile: a hung or very slow model, not merely an overloaded one.
-            stalled = dispatched and self.successes == progress_at_dispatch
+            # A late call is a failure for the breaker only if the runner sent nothing back
+            # at all while it waited, not even a late answer or a TTL drop for someone else:
+            # a hung model. A busy model keeps answering, just not in time for everyone.
+            stalled = dispatched and self.responses == progress_at_dispatch
             self._record(False if stalled else None)
             return Attempt(None, f"{self.role}_timeout", shed=not dispatched)
 
@@ -188,10 +193,14 @@ class ModelLane:
             return Attempt(None, f"{self.role}_error")
         if answer.expired:
             return timed_out()
-        self.successes += 1
         self._record(True)
         self.gate.completed()
         return Attempt(answer)
+
+    def _responded(self, call: asyncio.Future) -> None:
+        """Count a runner response (an answer or a TTL drop, in time or not); errors are not progress."""
+        if not call.cancelled() and call.exception() is None:
+            self.responses += 1
 
     def _record(self, ok: bool | None) -> None:
         """Tell the breaker: ``ok`` for a call that reached the model, ``None`` for one that did not."""
@@ -213,7 +222,10 @@ class ModelLane:
             "queued": gate.queued,
             "queue_limit": gate.queue_limit,
             "throughput_ips": None if gate.meter.ips is None else round(gate.meter.ips, 2),
+            "drain_s": round(gate.drain_s(), 3),
+            "retry_after_cap_s": gate.retry_after_cap_s,
             "breaker": None if self.breaker is None else self.breaker.state,
+            "breaker_opened": None if self.breaker is None else self.breaker.times_opened,
         }
 
 
@@ -235,7 +247,7 @@ class Classifier:
         self.pool = pool
         self.primary = ModelLane("primary", primary, AdmissionGate(
             primary.name, settings.primary_max_batch_size, settings.primary_concurrent_batches,
-            settings.primary_queue_delay_ms, ThroughputMeter(settings.primary_throughput_ips),
+            settings.primary_queue_delay_ms, ThroughputMeter(settings.primary_throughput_ips, settings.throughput_tau_ms / 1000),
         ), CircuitBreaker(
             window_s=settings.breaker_window_ms / 1000, min_calls=settings.breaker_min_calls,
             failure_rate=settings.breaker_failure_rate, open_s=settings.breaker_open_ms / 1000,
@@ -243,10 +255,29 @@ class Classifier:
         ))
         self.fallback = ModelLane("fallback", fallback, AdmissionGate(
             fallback.name, settings.fallback_max_batch_size, settings.fallback_concurrent_batches,
-            settings.fallback_queue_delay_ms, ThroughputMeter(settings.fallback_throughput_ips),
+            settings.fallback_queue_delay_ms, ThroughputMeter(settings.fallback_throughput_ips, settings.throughput_tau_ms / 1000),
         ), None)
         self.cache = ResultCache(settings.cache_size)
         self.limits = decode_limits(settings, [*primary.buckets.values(), *fallback.buckets.values()])
+
+    def retry_after_s(self) -> float:
+        """``Retry-After`` for a 429: when the first of the two models will have drained its queue.
+
+        Whole seconds, at least 1 and at most that gate's ``retry_after_cap_s`` (see
+        ``AdmissionGate.retry_after_s``): a retry is admitted as soon as either
+        model has room.
+        """
+        return min(self.primary.gate.retry_after_s(), self.fallback.gate.retry_after_s())
+
+    def inflight_limit(self) -> int:
+        """Most ``/classify`` requests one API worker lets in at once (``rampart.arrival.bound_inflight``).
+
+        Twice the places both gates have (dispatch window + queue limit of each):
+        up to one request per place holds it, and as many again may be reading
+        their body (no place held yet) or be on their way out. Any more could only
+        be shed by admission, so they are refused before BentoML's middlewares.
+        """
+        return 2 * sum(lane.gate.window + lane.gate.queue_limit for lane in (self.primary, self.fallback))
 
     def check_capacity(self, deadline: Deadline, high: bool) -> None:
         """Raise ``Overloaded`` (429) when neither model could take a request now.
@@ -262,8 +293,8 @@ class Classifier:
             return
         if deadline.remaining_s() <= 0:
             raise Overloaded(f"the deadline ({deadline.budget_ms:.0f} ms after margins) leaves no time to answer",
-                             self.primary.gate.retry_after_s())
-        raise Overloaded("both models are at capacity; retry later", self.primary.gate.retry_after_s())
+                             self.retry_after_s())
+        raise Overloaded("both models are at capacity; retry later", self.retry_after_s())
 
     def admit(self, deadline: Deadline, high: bool) -> Admission:
         """Reserve a place for a request arriving now, before its body is read.
@@ -277,7 +308,7 @@ class Classifier:
         fallback = self.fallback.reserve(high, deadline.remaining_s())
         if isinstance(fallback, Ticket):
             return Admission(fallback=fallback, primary_refused=primary)
-        raise Overloaded("both models are at capacity; retry later", self.primary.gate.retry_after_s())
+        raise Overloaded("both models are at capacity; retry later", self.retry_after_s())
 
     def release(self, admission: Admission) -> None:
         """Give back whatever tickets of ``admission`` were not used."""
@@ -363,7 +394,7 @@ class Classifier:
         if cached is not None:
             return self._cached_answer(cached, top_k, decode_ms, start)
         if first.shed and second.shed:
-            raise Overloaded("both models are at capacity; retry later", self.primary.gate.retry_after_s())
+            raise Overloaded("both models are at capacity; retry later", self.retry_after_s())
         return self._static_answer("no_model_available", decode_ms, start)
 
     async def _fallback_attempt(self, prepared: Prepared, ticket: Ticket, deadline: Deadline) -> Attempt:

@@ -17,7 +17,7 @@ def test_raw_body_photo_is_classified(http, name):
     assert scores == sorted(scores, reverse=True) and len(scores) == 5
     assert body["degraded"] is False and body["degraded_reason"] is None
     assert body["model"]["name"] == "rampart-primary"
-    assert set(body["timings_ms"]) == {"decode", "queue", "inference", "total"}
+    assert set(body["timings_ms"]) == {"before_handler", "decode", "queue", "inference", "total"}
 
 
 def test_content_type_header_is_ignored(http):

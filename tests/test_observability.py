@@ -71,7 +71,7 @@ def test_request_id_server_timing_and_one_json_log_line(server):
                           headers={"X-Request-Id": "obs-test-1"}, timeout=30)
     assert response.status_code == 200 and response.headers["X-Request-Id"] == "obs-test-1"
     timing = dict(re.findall(r"(\w+);dur=([\d.]+)", response.headers["Server-Timing"]))
-    assert set(timing) == {"decode", "queue", "inference", "total"}
+    assert set(timing) == {"before_handler", "decode", "queue", "inference", "total"}
     assert float(timing["total"]) >= float(timing["inference"]) > 0
 
     lines = [line for line in server.log_path.read_text(errors="replace").splitlines() if '"obs-test-1"' in line]
@@ -79,7 +79,7 @@ def test_request_id_server_timing_and_one_json_log_line(server):
     entry = json.loads(lines[0])
     assert entry["status"] == 200 and entry["code"] == "ok" and entry["path"] == "/classify"
     assert entry["bucket"] == response.json()["bucket"] and entry["model"] == "rampart-primary"
-    assert set(entry["timings_ms"]) == {"decode", "queue", "inference", "total"}
+    assert set(entry["timings_ms"]) == {"before_handler", "decode", "queue", "inference", "total"}
 
     bad = httpx.post(f"{server.url}/classify", content=b"", headers={"X-Request-Id": "obs-test-2"}, timeout=30)
     assert bad.status_code == 400

@@ -1,0 +1,178 @@
+"""When a request arrived: the start of its deadline clock.
+
+A request's deadline is counted from the earliest moment the server can know of
+it, not from when the handler starts. Between the two lie the kernel's socket
+buffers, the event loop's backlog and BentoML's middlewares; on the 2-core
+machine under a 256-connection overload that was 60-270 ms per request that the
+deadline never saw (issue 9).
+
+- **First byte.** ``stamp_arrivals()`` makes uvicorn (httptools protocol, the
+  one BentoML runs when ``httptools`` is installed) note ``time.monotonic()`` in
+  the ASGI scope (key ``ARRIVAL_KEY``) when the parser sees the first byte of
+  each request (``on_message_begin``), for keep-alive connections too.
+- **A load balancer's stamp.** ``X-Request-Start: t=<epoch>`` (nginx
+  ``"t=${msec}"``, Heroku's router, the New Relic and Datadog convention) is the
+  time the request reached the proxy in front. Seconds, milliseconds and
+  microseconds since the epoch are told apart by magnitude, as those APM agents
+  do. It is taken when it is earlier than the first byte and within a sanity
+  bound: not older than ``max_deadline_ms`` (an older stamp is a clock problem,
+  not a request) and not more than ``FUTURE_SKEW_MS`` in the future (a stamp up
+  to that far ahead counts as now: clocks of two hosts disagree a little).
+  Anything else is ignored.
+
+Without either (an ASGI server other than uvicorn+httptools, an in-process
+call) the handler's start is used.
+
+**What may wait before admission sees it.** Admission runs at the start of the
+handler, behind BentoML's middlewares. ``bound_inflight(limit, refuse, paths)``
+puts a counter in front of everything (the app uvicorn calls): when ``limit()``
+requests to ``paths`` are already in flight in this worker, the next one is
+answered by ``refuse`` at once (Rampart: 429 ``overloaded`` with
+``Retry-After``), before any middleware runs. Rampart derives ``limit`` from its
+admission queues (``Classifier.inflight_limit``). With HTTP/1.1 keep-alive each
+connection has at most one request in flight (uvicorn stops reading a
+connection while a pipelined request waits), so a request can wait unseen only
+in the kernel's accept queue (``backlog``, sized in ``service.py``) or its
+socket buffer, and that time too is counted against its deadline once its first
+byte is read.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Collection
+
+__all__ = ["ARRIVAL_KEY", "FUTURE_SKEW_MS", "Arrival", "arrival_of", "parse_request_start", "stamp_arrivals",
+           "bound_inflight", "InflightBound"]
+
+#: ASGI scope key holding the ``time.monotonic()`` of the request's first byte.
+ARRIVAL_KEY = "rampart.first_byte_monotonic"
+#: An ``X-Request-Start`` stamp up to this far in the future is taken as "now" (clock skew between hosts).
+FUTURE_SKEW_MS = 1000.0
+_STAMP = re.compile(r"^\s*(?:t=)?\s*(\d{1,20}(?:\.\d{1,9})?)\s*$")
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """When a request arrived: ``monotonic`` (``time.monotonic()`` s) and ``wall`` (``time.time()`` s) of
+    the same instant, ``before_handler_ms`` (ms from arrival to the handler's start) and ``source``:
+    ``x-request-start``, ``first-byte`` or ``handler``."""
+
+    monotonic: float
+    wall: float
+    before_handler_ms: float
+    source: str
+
+
+def parse_request_start(raw: str | None, now_wall: float) -> float | None:
+    """The epoch seconds of an ``X-Request-Start`` value (``t=<epoch s|ms|µs>``), or None when malformed.
+
+    The unit is inferred from magnitude against ``now_wall`` (epoch seconds):
+    about 1e9 is seconds, 1e12 milliseconds, 1e15 microseconds.
+    """
+    if not raw:
+        return None
+    match = _STAMP.match(raw)
+    if match is None:
+        return None
+    value = float(match.group(1))
+    for scale in (1.0, 1e3, 1e6):
+        if value / scale < now_wall * 10:  # the first unit that gives a plausible epoch
+            return value / scale
+    return None
+
+
+def arrival_of(scope: dict, request_start: str | None, max_age_ms: float) -> Arrival:
+    """The arrival of the request with ASGI ``scope`` and ``X-Request-Start`` header ``request_start``.
+
+    The earliest of: the handler's start (now), the first byte (``ARRIVAL_KEY``),
+    and ``X-Request-Start`` when it lies within ``max_age_ms`` in the past and
+    ``FUTURE_SKEW_MS`` in the future (see the module doc).
+    """
+    now_monotonic, now_wall = time.monotonic(), time.time()
+    age_s, source = 0.0, "handler"
+    first_byte = scope.get(ARRIVAL_KEY)
+    if first_byte is not None and now_monotonic - first_byte > 0:
+        age_s, source = now_monotonic - first_byte, "first-byte"
+    stamp = parse_request_start(request_start, now_wall)
+    if stamp is not None:
+        stamp_age_s = now_wall - stamp
+        if -FUTURE_SKEW_MS / 1000.0 <= stamp_age_s <= max_age_ms / 1000.0 and stamp_age_s > age_s:
+            age_s, source = stamp_age_s, "x-request-start"
+    return Arrival(now_monotonic - age_s, now_wall - age_s, age_s * 1000.0, source)
+
+
+def stamp_arrivals() -> None:
+    """Patch uvicorn's httptools protocol to note each request's first byte in its scope (idempotent).
+
+    ``on_message_begin`` runs when the HTTP parser meets the first byte of a
+    request and creates the scope; the patch adds one ``time.monotonic()`` call
+    (tens of nanoseconds). A uvicorn without the httptools protocol is left alone.
+    """
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:  # httptools not installed: the handler's start is used
+        return
+    if getattr(HttpToolsProtocol.on_message_begin, "_rampart_stamped", False):
+        return
+    begin = HttpToolsProtocol.on_message_begin
+
+    def on_message_begin(self) -> None:
+        arrived = time.monotonic()
+        begin(self)
+        self.scope[ARRIVAL_KEY] = arrived
+        if _bound is not None and getattr(self.app, "_rampart_bound", None) is not _bound:
+            self.app = _bound.wrap(self.app)
+
+    on_message_begin._rampart_stamped = True
+    HttpToolsProtocol.on_message_begin = on_message_begin
+
+
+class InflightBound:
+    """At most ``limit()`` requests to ``paths`` in flight in this worker; the next gets ``refuse(scope, receive, send)``.
+
+    Sits in front of every middleware (see ``bound_inflight``). ``inflight`` is the
+    number of such requests being handled now; ``refused`` counts refusals.
+    """
+
+    def __init__(self, limit: Callable[[], int], refuse: Callable[[dict, Callable, Callable], Awaitable[None]],
+                 paths: Collection[str]) -> None:
+        self.limit = limit
+        self.refuse = refuse
+        self.paths = frozenset(paths)
+        self.inflight = 0
+        self.refused = 0
+        self._wrapped: dict[int, Callable] = {}
+
+    def wrap(self, app: Callable) -> Callable:
+        """``app`` (an ASGI app) behind this bound; one wrapper per app."""
+        wrapped = self._wrapped.get(id(app))
+        if wrapped is None:
+            async def bounded(scope, receive, send) -> None:
+                if scope.get("type") != "http" or scope.get("path") not in self.paths:
+                    return await app(scope, receive, send)
+                if self.inflight >= self.limit():
+                    self.refused += 1
+                    return await self.refuse(scope, receive, send)
+                self.inflight += 1
+                try:
+                    await app(scope, receive, send)
+                finally:
+                    self.inflight -= 1
+
+            bounded._rampart_bound = self
+            wrapped = self._wrapped[id(app)] = bounded
+        return wrapped
+
+
+_bound: InflightBound | None = None
+
+
+def bound_inflight(limit: Callable[[], int], refuse: Callable[[dict, Callable, Callable], Awaitable[None]],
+                   paths: Collection[str]) -> InflightBound:
+    """Install (or replace) the in-flight bound that ``stamp_arrivals`` puts in front of the app; returns it."""
+    global _bound
+    _bound = InflightBound(limit, refuse, paths)
+    return _bound
