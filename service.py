@@ -197,7 +197,39 @@ http_app = Starlette(
 )
 
 
-@bentoml.service(name="rampart", workers=1, traffic={"timeout": settings.max_deadline_ms / 1000 + 10})
+#: Routes whose requests go through admission (``rampart.arrival.bound_inflight``, tracing off by default).
+ADMITTED_ROUTES = ("/classify", "/classify_batch")
+
+
+def accept_backlog() -> int:
+    """The listening socket's backlog: connections the kernel holds before Rampart accepts them.
+
+    Twice the places both admission gates have with their smallest queues (one
+    batch each): ``2 × Σ ((concurrent_batches + 2) × max_batch_size)``, 288 with the
+    defaults, at least BentoML's minimum of 64. A connection waiting there is
+    invisible to every deadline clock; any more than this could only be shed once
+    accepted, so the kernel refuses them instead of BentoML's default 2048 waiting.
+    """
+    places = sum((batches + 2) * size for batches, size in (
+        (settings.primary_concurrent_batches, settings.primary_max_batch_size),
+        (settings.fallback_concurrent_batches, settings.fallback_max_batch_size)))
+    return max(64, 2 * places)
+
+
+def middleware_config() -> dict:
+    """BentoML service configuration for its per-request middlewares (reasons: README, "Overload control").
+
+    BentoML's access log is off (Rampart writes its own JSON line per request);
+    tracing skips the admitted routes unless ``trace_requests``.
+    """
+    config: dict = {"logging": {"access": {"enabled": False}}}
+    if not settings.trace_requests:
+        config["tracing"] = {"excluded_urls": list(ADMITTED_ROUTES)}
+    return config
+
+
+@bentoml.service(name="rampart", workers=1, traffic={"timeout": settings.max_deadline_ms / 1000 + 10},
+                 backlog=accept_backlog(), **middleware_config())
 @bentoml.asgi_app(http_app, path="/")
 class Rampart:
     """Image classification that degrades honestly under overload; see README."""
@@ -213,7 +245,7 @@ class Rampart:
             BoundedPool(settings.decode_workers, settings.decode_queue, nice=settings.decode_nice),
         )
         self.loop_lag = LoopLagMonitor()
-        bound_inflight(self.classifier.inflight_limit, refuse_before_admission, ("/classify", "/classify_batch"))
+        bound_inflight(self.classifier.inflight_limit, refuse_before_admission, ADMITTED_ROUTES)
         metrics.init_api_series()
         self._ready = False
         # Move everything built at start-up out of the garbage collector's reach, so

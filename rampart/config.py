@@ -77,6 +77,9 @@ class Settings(BaseModel):
     fallback_throughput_ips: float = Field(0.0, ge=0.0)
     # Time constant of the measured throughput, in busy time (idle time does not count).
     throughput_tau_ms: int = Field(5_000, gt=0)
+    # OpenTelemetry spans for /classify and /classify_batch. Off: BentoML's tracing middleware
+    # costs about 0.3 ms of event-loop CPU per request even with no exporter (bench/middleware_bench.py).
+    trace_requests: bool = False
     # Niceness of the runner processes. On a CPU-only host inference then yields the CPU
     # to the API layer, which must keep answering (and shedding) under overload, and the
     # fallback yields to the primary, whose full answers are worth more.
