@@ -1,4 +1,4 @@
-"""Rampart's Python client: ``Client`` (sync) and ``AsyncClient`` (asyncio), over httpx.
+"""Rampart's Python client: ``Client`` (sync, httpx) and ``AsyncClient`` (asyncio, aiohttp by default).
 
 >>> from rampart_client import Client
 >>> with Client("http://127.0.0.1:3000") as client:
@@ -6,11 +6,17 @@
 ...     print(prediction.top.label, prediction.degraded)
 
 Both share the request building and response parsing below; only the
-transport differs.
+transport differs. ``AsyncClient`` sends over aiohttp because it was measured
+(``python -m bench.client_bench``, README "Python client"): an
+``httpx.AsyncClient`` spent 1.2-4.3 ms of CPU per call at 1-256 concurrent calls,
+whatever its pool size, aiohttp 0.15-0.5 ms, and an SDK that burns milliseconds
+per call competes with the server on a small host. ``AsyncClient(...,
+transport="httpx")`` (or any httpx keyword argument) keeps httpx.
 """
 
 from __future__ import annotations
 
+import asyncio
 import io
 import os
 from pathlib import Path
@@ -28,6 +34,9 @@ __all__ = ["Client", "AsyncClient", "ImageInput"]
 ImageInput = Union[str, os.PathLike, bytes, "PIL.Image.Image"]  # noqa: F821
 
 DEFAULT_TIMEOUT_S = 30.0
+#: Connections ``AsyncClient`` keeps open at most: as many calls as the load tests run at once (256).
+#: aiohttp reuses them (keep-alive) and opens them on demand, so a smaller load opens fewer.
+DEFAULT_MAX_CONNECTIONS = 256
 
 
 def image_bytes(image: ImageInput) -> bytes:
@@ -107,7 +116,7 @@ def parse_batch(response: httpx.Response) -> list[Prediction | RampartClientErro
     return out
 
 
-def _transport_error(exc: httpx.HTTPError) -> ServiceError:
+def _transport_error(exc: Exception) -> ServiceError:
     return ServiceError(f"{type(exc).__name__}: {exc}")
 
 
@@ -152,11 +161,74 @@ class Client:
         self.close()
 
 
-class AsyncClient:
-    """The asyncio twin of ``Client``: same methods, awaited; use ``async with`` or ``aclose()``."""
+class _AiohttpTransport:
+    """``post(path, ...) -> httpx.Response`` over one aiohttp session (created on first use, in the running loop)."""
 
-    def __init__(self, url: str = "http://127.0.0.1:3000", timeout: float = DEFAULT_TIMEOUT_S, **httpx_kwargs) -> None:
+    def __init__(self, url: str, timeout: float, max_connections: int) -> None:
+        import aiohttp
+
+        self.errors = (aiohttp.ClientError, asyncio.TimeoutError)
+        self._aiohttp = aiohttp
+        self._url = url.rstrip("/")
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._max_connections = max_connections
+        self._session = None
+
+    async def post(self, path: str, *, params: dict, headers: dict[str, str], content: bytes | None = None,
+                   files: list | None = None) -> httpx.Response:
+        aiohttp = self._aiohttp
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=300),
+                timeout=self._timeout)
+        if files is not None:
+            data = aiohttp.FormData()
+            for field, (filename, body, content_type) in files:
+                data.add_field(field, body, filename=filename, content_type=content_type)
+        else:
+            data = content
+        async with self._session.post(self._url + path, data=data, params={k: str(v) for k, v in params.items()},
+                                      headers=headers) as response:
+            body = await response.read()
+            return httpx.Response(response.status, headers=list(response.headers.items()), content=body)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+class _HttpxTransport:
+    """``post(path, ...) -> httpx.Response`` over an ``httpx.AsyncClient``."""
+
+    errors = (httpx.HTTPError,)
+
+    def __init__(self, url: str, timeout: float, **httpx_kwargs) -> None:
         self._http = httpx.AsyncClient(base_url=url, timeout=timeout, **httpx_kwargs)
+
+    async def post(self, path: str, **kwargs) -> httpx.Response:
+        return await self._http.post(path, **kwargs)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+class AsyncClient:
+    """The asyncio twin of ``Client``: same methods, awaited; use ``async with`` or ``aclose()``.
+
+    ``transport`` is ``"aiohttp"`` (default, at most ``max_connections`` keep-alive
+    connections) or ``"httpx"``; passing any httpx keyword argument selects httpx.
+    """
+
+    def __init__(self, url: str = "http://127.0.0.1:3000", timeout: float = DEFAULT_TIMEOUT_S,
+                 transport: str = "aiohttp", max_connections: int = DEFAULT_MAX_CONNECTIONS, **httpx_kwargs) -> None:
+        if transport not in ("aiohttp", "httpx"):
+            raise ValueError(f"transport must be 'aiohttp' or 'httpx', got {transport!r}")
+        if transport == "httpx" or httpx_kwargs:
+            httpx_kwargs.setdefault("limits", httpx.Limits(max_connections=max_connections,
+                                                           max_keepalive_connections=max_connections))
+            self._http = _HttpxTransport(url, timeout, **httpx_kwargs)
+        else:
+            self._http = _AiohttpTransport(url, timeout, max_connections)
 
     async def classify(
         self, image: ImageInput, top_k: int = 5, deadline_ms: float | None = None, request_id: str | None = None,
@@ -167,7 +239,7 @@ class AsyncClient:
             response = await self._http.post(
                 "/classify", content=image_bytes(image), params={"top_k": top_k}, headers=_headers(deadline_ms, request_id, priority)
             )
-        except httpx.HTTPError as exc:
+        except self._http.errors as exc:
             raise _transport_error(exc) from exc
         return parse_prediction(response)
 
@@ -181,7 +253,7 @@ class AsyncClient:
             response = await self._http.post(
                 "/classify_batch", files=_batch_files(images), params={"top_k": top_k}, headers=headers
             )
-        except httpx.HTTPError as exc:
+        except self._http.errors as exc:
             raise _transport_error(exc) from exc
         return parse_batch(response)
 

@@ -36,9 +36,21 @@ def tau_server(tmp_path_factory):
     server = Server({"RAMPART_THROUGHPUT_TAU_MS": str(TAU_MS)}, tmp_path_factory.mktemp("serve") / "serve.log")
     try:
         server.wait_ready()
+        answered_by_primary(server)
         yield server
     finally:
         server.stop()
+
+
+def answered_by_primary(server: Server, timeout_s: float = 120) -> None:
+    """Wait until the primary answers (readiness can come before the runners take requests on a loaded host)."""
+    body, deadline = encode(photo("coffee")), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        answer = httpx.post(f"{server.url}/classify", content=body, timeout=30).json()
+        if answer.get("degraded_reason") is None:
+            return
+        time.sleep(1)
+    raise RuntimeError(f"the primary did not answer within {timeout_s} s:\n{server.log()}")
 
 
 def stats(server: Server) -> dict:
