@@ -12,7 +12,13 @@ each service runs in its own subprocess on 127.0.0.1.
 3. **Open-loop overload** (Poisson) at 1×, 2×, 5× and 10× Rampart's knee: goodput
    (answers within their deadline that carry a model's labels), shed rate,
    degraded rate, P99 of accepted requests, late answers.
-4. **Baselines** with the same model and images: (a) ``naive``, the seed's FastAPI
+4. **Closed-loop sweep** of Rampart at 1, 4, 16, 64 and 256 connections, 10 s
+   rounds with a 1-connection round after each overload round (64 and 256), so
+   that any after-effect shows; latency and late answers measured at the client,
+   with the client's own CPU per request (``bench.loadgen.sweep``).
+   ``--sweep-only`` runs just this (about 2 minutes plus start-up) and writes
+   ``closed_loop.json``; ``--sweep-client httpx`` drives it with httpx instead.
+5. **Baselines** with the same model and images: (a) ``naive``, the seed's FastAPI
    service (one asyncio queue, 5 ms window, max batch 8, no admission control);
    (b) ``plain_bentoml``, one batchable BentoML API with default settings. Each gets
    the ramp and 5× its own knee; the ratios Rampart/baseline are reported for knee
@@ -37,7 +43,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.loadgen import closed_loop, load_bodies, open_loop, run_sync, summarize
+from bench.loadgen import closed_loop, load_bodies, open_loop, run_sync, summarize, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 SLO_MS = 1000.0
@@ -204,8 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
     parser.add_argument("--quick", action="store_true", help="tiny steps: proves the command, measures little")
+    parser.add_argument("--sweep-only", action="store_true", help="only Rampart's closed-loop sweep (closed_loop.json)")
+    parser.add_argument("--sweep-client", choices=("aiohttp", "httpx"), default="aiohttp")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    sweep_connections, sweep_s = ((1, 4), 2.0) if args.quick else ((1, 4, 16, 64, 256), 10.0)
+    if args.sweep_only:
+        return closed_loop_sweep(args.out, sweep_connections, sweep_s, args.sweep_client)
     if args.quick:
         batch_sizes, repeats, clients, step_s, factors, overload_s = [1, 4], 1, [1, 8], 2.0, [5.0], 3.0
     else:
@@ -224,6 +235,9 @@ def main(argv: list[str] | None = None) -> int:
             capacity = max(results[name]["ramp"]["knee"]["throughput_rps"], 1.0)
             results[name]["overload"] = overload(service, bodies, capacity, factors if name == "rampart" else [5.0],
                                                  overload_s)
+            if name == "rampart":
+                results[name]["closed_loop_sweep"] = [r.summary() for r in sweep(
+                    service.url, bodies, sweep_connections, sweep_s, SLO_MS, args.sweep_client)]
         finally:
             service.stop()
         print(name, json.dumps(results[name]["ramp"]["knee"]), flush=True)
@@ -240,6 +254,28 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "load.json").write_text(json.dumps(results, indent=2))
     plot(results, args.out / "load.png")
     print(json.dumps(results["ratios"], indent=2))
+    return 0
+
+
+def closed_loop_sweep(out: Path, connections: tuple[int, ...], round_s: float, client: str) -> int:
+    """Start Rampart, run ``bench.loadgen.sweep`` against it, write ``closed_loop.json`` and print a table."""
+    bodies = load_bodies()
+    service = Service("rampart", out)
+    try:
+        service.wait_ready(bodies)
+        rounds = [r.summary() for r in sweep(service.url, bodies, connections, round_s, SLO_MS, client)]
+        stats = httpx.get(service.url.rsplit("/", 1)[0] + "/stats", timeout=10).json()
+    finally:
+        service.stop()
+    (out / "closed_loop.json").write_text(json.dumps({"machine": machine(), "client": client, "round_s": round_s,
+                                                      "deadline_ms": SLO_MS, "rounds": rounds, "stats_after": stats},
+                                                     indent=2))
+    print("connections  req/s  goodput/s  p50_ms  p99_ms  shed  degraded  late_200  5xx  failed  client_cpu_ms/req")
+    for r in rounds:
+        print(f"{r['connections']:>11}  {r['throughput_rps']:>5}  {r['goodput_rps']:>9}  {r['p50_ms']:>6}  {r['p99_ms']:>6}"
+              f"  {r['shed_rate']:>4}  {r['degraded_rate']:>8}  {r['late_200']:>8}  {r['errors_5xx']:>3}  {r['failed']:>6}"
+              f"  {r['client_cpu_ms_per_request']:>17}")
+    print("breaker:", stats["primary"]["breaker"], "opened", stats["primary"].get("breaker_opened"))
     return 0
 
 

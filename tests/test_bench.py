@@ -30,5 +30,7 @@ def test_load_bench_quick_runs_end_to_end_with_both_baselines(tmp_path):
         assert results[name]["ramp"]["steps"] and "5.0" in results[name]["overload"], name
     ours = results["rampart"]["overload"]["5.0"]
     assert ours["errors_5xx"] == 0 and ours["late"] == 0, ours
+    sweep = results["rampart"]["closed_loop_sweep"]
+    assert [r["connections"] for r in sweep] == [1, 4] and all(r["client_cpu_ms_per_request"] > 0 for r in sweep)
     assert set(results["ratios"]) == {"naive", "plain_bentoml"}
     assert all(value is not None for ratios in results["ratios"].values() for value in ratios.values())
