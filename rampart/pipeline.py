@@ -431,6 +431,7 @@ class Classifier:
             "primary": self.primary.state(),
             "fallback": self.fallback.state(),
             "cache_entries": len(self.cache),
+            "inflight_limit": self.inflight_limit(),
             "decode_pending": self.pool.pending,
         }
 
