@@ -245,9 +245,10 @@ class Classifier:
     def __init__(self, settings: Settings, primary: ModelEndpoint, fallback: ModelEndpoint, pool: BoundedPool) -> None:
         self.settings = settings
         self.pool = pool
+        tau_s = settings.throughput_tau_ms / 1000
         self.primary = ModelLane("primary", primary, AdmissionGate(
             primary.name, settings.primary_max_batch_size, settings.primary_concurrent_batches,
-            settings.primary_queue_delay_ms, ThroughputMeter(settings.primary_throughput_ips, settings.throughput_tau_ms / 1000),
+            settings.primary_queue_delay_ms, ThroughputMeter(settings.primary_throughput_ips, tau_s),
         ), CircuitBreaker(
             window_s=settings.breaker_window_ms / 1000, min_calls=settings.breaker_min_calls,
             failure_rate=settings.breaker_failure_rate, open_s=settings.breaker_open_ms / 1000,
@@ -255,7 +256,7 @@ class Classifier:
         ))
         self.fallback = ModelLane("fallback", fallback, AdmissionGate(
             fallback.name, settings.fallback_max_batch_size, settings.fallback_concurrent_batches,
-            settings.fallback_queue_delay_ms, ThroughputMeter(settings.fallback_throughput_ips, settings.throughput_tau_ms / 1000),
+            settings.fallback_queue_delay_ms, ThroughputMeter(settings.fallback_throughput_ips, tau_s),
         ), None)
         self.cache = ResultCache(settings.cache_size)
         self.limits = decode_limits(settings, [*primary.buckets.values(), *fallback.buckets.values()])
