@@ -283,19 +283,22 @@ class BoundedPool:
                 running = future.set_running_or_notify_cancel()
                 if running:
                     slot.job, slot.abandoned = future, False
-            try:
-                if running:
-                    on_start()
-                    try:
-                        future.set_result(self._call(slot, fn, args))
-                    except BaseException as exc:
-                        future.set_exception(exc)
-            finally:
-                with self._cond:
-                    self._pending -= 1
-                    abandoned, slot.job, slot.abandoned = slot.abandoned, None, False
-                if abandoned:  # killed on purpose, perhaps just after it answered: start a fresh one
-                    self._replace(slot)
+            outcome: tuple[bool, object] | None = None
+            if running:
+                on_start()
+                try:
+                    outcome = (True, self._call(slot, fn, args))
+                except BaseException as exc:
+                    outcome = (False, exc)
+            with self._cond:  # the slot is free before the caller hears the outcome
+                self._pending -= 1
+                abandoned, slot.job, slot.abandoned = slot.abandoned, None, False
+            if outcome is not None and outcome[0]:
+                future.set_result(outcome[1])
+            elif outcome is not None:
+                future.set_exception(outcome[1])
+            if abandoned:  # killed on purpose, perhaps just after it answered: start a fresh one
+                self._replace(slot)
 
     def _call(self, slot: _Slot, fn: Callable, args: tuple):
         if slot.process is None:
