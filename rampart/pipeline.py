@@ -38,13 +38,13 @@ from .buckets import Bucket
 from .cache import CachedAnswer, ResultCache
 from .config import Settings
 from .deadline import Deadline, run_within
-from .decode_job import DecodePlan, Prepared, prepare, working_copy
+from .decode_job import DecodePlan, Prepared, prepare
 from .decoding import DecodeLimits
 from .errors import CorruptImage, DecodeTimeout, Overloaded
 from .pool import BoundedPool, JobTimeout, WorkerDied
 from .results import MAX_TOP_K, label_entries, top_classes
 
-__all__ = ["RunnerAnswer", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "decode_pool", "working_copy"]
+__all__ = ["RunnerAnswer", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "decode_pool"]
 
 logger = logging.getLogger("rampart.pipeline")
 
