@@ -33,8 +33,7 @@ from rampart.buckets import buckets_for_resolution
 from rampart.config import get_settings
 from rampart.errors import InternalError, InvalidParameter, Overloaded, RampartError
 from rampart.looplag import LoopLagMonitor
-from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer
-from rampart.pool import BoundedPool
+from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
 from runners.common import RunnerItem
 from runners.fallback import Fallback
 from runners.primary import Primary
@@ -242,7 +241,7 @@ class Rampart:
             settings,
             model_endpoint(settings.primary_model, self.primary),
             model_endpoint(settings.fallback_model, self.fallback),
-            BoundedPool(settings.decode_workers, settings.decode_queue, nice=settings.decode_nice),
+            decode_pool(settings),
         )
         self.loop_lag = LoopLagMonitor()
         bound_inflight(self.classifier.inflight_limit, refuse_before_admission, ADMITTED_ROUTES)

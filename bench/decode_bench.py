@@ -10,12 +10,26 @@ from scikit-image's ``rocket`` photo) it reports, for each path:
 The naive path is ``Image.open(...).convert("RGB")`` at full size, then the same
 resize; Rampart's is ``rampart.decoding.decode_image`` (draft for JPEG) then
 ``fit_to_bucket``. Each path runs in its own subprocess so peak RSS is its own.
+
+Under ``"workers"`` it compares the decode pool's two modes (``rampart.pool``,
+one worker per CPU core, the service's own ``rampart.decode_job.prepare``), per
+scenario, as completed uploads per second (``ips``) and wall time (``wall_s``):
+
+- ``photos``: the four sample photos (scikit-image, scikit-learn) as JPEG;
+- ``bombs``: every bomb of ``bench/bombs`` (refused from their headers);
+- ``photos_behind_slow_bombs``: as many progressive-JPEG bombs as workers, let
+  through the scan check (``max_jpeg_scans`` lifted), then the photos, with a
+  ``decode_timeout`` of 1 s: ``ips`` counts the photos only. Threads cannot be
+  stopped, so the photos wait for the bombs to end; processes are killed at 1 s.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import dataclasses
 import io
+import os
 import json
 import resource
 import statistics
@@ -25,6 +39,8 @@ import time
 from pathlib import Path
 
 IMAGES = {"jpeg_7680x4320": ((7680, 4320), "JPEG"), "png_4000x3000": ((4000, 3000), "PNG")}
+#: Decode limit per job in the ``photos_behind_slow_bombs`` scenario, seconds.
+SLOW_BOMB_TIMEOUT_S = 1.0
 
 
 def make_image(kind: str, path: Path) -> None:
@@ -90,10 +106,74 @@ def main(argv: list[str] | None = None) -> int:
         naive, ours = results[kind]["naive"], results[kind]["rampart"]
         results[kind]["speedup"] = round(naive["median_ms"] / ours["median_ms"], 2)
         results[kind]["rss_ratio"] = round(naive["peak_rss_mb"] / ours["peak_rss_mb"], 2)
+    results["workers"] = {mode: workers_throughput(mode, args.repeats) for mode in ("threads", "processes")}
     (args.out / "decode.json").write_text(json.dumps(results, indent=2))
     plot(results, args.out / "decode.png")
     print(json.dumps(results, indent=2))
     return 0
+
+
+def sample_photos() -> list[bytes]:
+    """The four sample photos the tests use (scikit-image chelsea, coffee, rocket; scikit-learn china) as JPEG."""
+    from PIL import Image
+    from skimage import data
+    from sklearn.datasets import load_sample_image
+
+    arrays = [data.chelsea(), data.coffee(), data.rocket(), load_sample_image("china.jpg")]
+    out = []
+    for array in arrays:
+        buffer = io.BytesIO()
+        Image.fromarray(array).save(buffer, "JPEG", quality=90)
+        out.append(buffer.getvalue())
+    return out
+
+
+def workers_throughput(mode: str, repeats: int) -> dict:
+    """Uploads per second through a ``mode`` ("threads" or "processes") decode pool, per scenario."""
+    from bench.bombs import CHUNK_FORMATS, MULTI_FRAME_FORMATS, many_chunks, many_frames, progressive_jpeg
+    from rampart.buckets import buckets_for_resolution
+    from rampart.config import Settings
+    from rampart.decode_job import DecodePlan, prepare
+    from rampart.pipeline import decode_limits
+    from rampart.pool import BoundedPool, JobTimeout
+
+    settings = Settings()
+    buckets = {"primary": buckets_for_resolution(260), "fallback": buckets_for_resolution(224)}
+    limits = decode_limits(settings, [b for role in buckets.values() for b in role.values()])
+    plan = DecodePlan(limits, buckets, settings.crop_margin)
+    lifted = dataclasses.replace(plan, limits=dataclasses.replace(limits, max_jpeg_scans=10**9))
+    photos = sample_photos() * max(repeats, 2) * 2
+    bombs = [progressive_jpeg(7000, 8000), *(many_frames(fmt, 101) for fmt in MULTI_FRAME_FORMATS),
+             *(many_chunks(fmt, 200_000) for fmt in CHUNK_FORMATS)] * max(repeats, 1)
+    workers = os.cpu_count() or 1
+    pool = BoundedPool(workers, 10_000, processes=mode == "processes", preload=("rampart.decode_job",))
+
+    async def timed(jobs: list[tuple[bytes, object]], counted: int) -> dict:
+        async def one(data: bytes, job_plan) -> None:
+            try:
+                await pool.run(prepare, data, job_plan, run_limit_s=SLOW_BOMB_TIMEOUT_S)
+            except (JobTimeout, Exception):
+                pass
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(data, job_plan) for data, job_plan in jobs))
+        wall_s = time.perf_counter() - start
+        return {"ips": round(counted / wall_s, 2), "wall_s": round(wall_s, 3), "uploads": counted}
+
+    async def scenarios() -> dict:
+        await timed([(photos[0], plan)] * workers, workers)  # warm-up: imports and first decodes
+        slow = [(progressive_jpeg(7000, 1500), lifted)] * workers  # about 5 s each on the 2-core machine
+        return {
+            "photos": await timed([(data, plan) for data in photos], len(photos)),
+            "bombs": await timed([(data, plan) for data in bombs], len(bombs)),
+            "photos_behind_slow_bombs": await timed(slow + [(data, plan) for data in photos], len(photos)),
+        }
+
+    try:
+        return {"workers": workers, **asyncio.run(scenarios()), **({"worker_start_ms": pool.stats()["worker_start_ms"]}
+                                                                    if mode == "processes" else {})}
+    finally:
+        pool.close()
 
 
 def plot(results: dict, path: Path) -> None:
@@ -102,14 +182,22 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    kinds = list(results)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    kinds = [kind for kind in results if kind in IMAGES]
     for ax, metric, title in ((axes[0], "median_ms", "median decode-to-tensor (ms)"), (axes[1], "peak_rss_mb", "peak RSS (MB)")):
         for offset, path_name in ((-0.2, "naive"), (0.2, "rampart")):
             ax.bar([i + offset for i in range(len(kinds))], [results[k][path_name][metric] for k in kinds], 0.4, label=path_name)
         ax.set_xticks(range(len(kinds)), kinds)
         ax.set_title(title)
         ax.legend()
+    workers = results["workers"]
+    scenarios = [key for key in workers["threads"] if isinstance(workers["threads"][key], dict)]
+    for offset, mode in ((-0.2, "threads"), (0.2, "processes")):
+        axes[2].bar([i + offset for i in range(len(scenarios))], [workers[mode][s]["ips"] for s in scenarios], 0.4,
+                    label=mode)
+    axes[2].set_xticks(range(len(scenarios)), [s.replace("_", " ") for s in scenarios], fontsize=8)
+    axes[2].set_title(f"decode pool, uploads/s ({workers['threads']['workers']} workers)")
+    axes[2].legend()
     fig.tight_layout()
     fig.savefig(path)
 

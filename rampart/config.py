@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from .decode_cost import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_JPEG_SCANS
 
 ENV_PREFIX = "RAMPART_"
 
@@ -32,17 +35,25 @@ class Settings(BaseModel):
     min_side_px: int = Field(16, ge=1)
     max_aspect_ratio: float = Field(10.0, ge=1.0)
     max_frames: int = Field(100, ge=1)
+    # Decode cost beyond width x height, counted in the container before decoding (rampart.decode_cost):
+    # scans of a progressive JPEG (libjpeg writes 6-10) and chunks a parser steps through.
+    max_jpeg_scans: int = Field(DEFAULT_MAX_JPEG_SCANS, ge=1)
+    max_chunks: int = Field(DEFAULT_MAX_CHUNKS, ge=1)
     # Colour that transparent pixels are composited over (RGB, 0..255): white, like a browser page.
     alpha_background: tuple[int, int, int] = (255, 255, 255)
     # Resize so the crop covers the bucket times this margin, then centre-crop.
     # 1.14 ~ 1/0.875, the crop ratio of the EfficientNet-Lite reference evaluation.
     crop_margin: float = Field(1.14, ge=1.0, le=2.0)
 
-    # Decode pool: worker threads and how many uploads may wait for one. Waiting uploads
-    # hold only their compressed bytes (already read); decoded pixels exist only in workers.
+    # Decode pool: workers and how many uploads may wait for one. Waiting uploads hold only
+    # their compressed bytes (already read); decoded pixels exist only in workers.
+    # "processes": each worker is a process, killed and replaced when a decode overruns
+    # decode_timeout_ms (its slot is free again at once); "threads": workers are threads
+    # of the API process, and an overrunning decode keeps its slot until it ends.
+    decode_mode: Literal["processes", "threads"] = "processes"
     decode_workers: int = Field(2, ge=1)
     decode_queue: int = Field(512, ge=0)
-    # Niceness of the decode threads: the event loop thread, which answers and sheds,
+    # Niceness of the decode workers: the event loop thread, which answers and sheds,
     # stays ahead of them for the CPU.
     decode_nice: int = Field(5, ge=0, le=19)
     # Longest one decode may run before the upload is refused (422 decode_timeout).
@@ -106,6 +117,8 @@ class Settings(BaseModel):
     fault_primary_error_rate: float = Field(0.0, ge=0.0, le=1.0)
     fault_primary_hang: bool = False
     fault_fallback_error_rate: float = Field(0.0, ge=0.0, le=1.0)
+    # Every decode hangs (before decoding) until the fault ends: drills the decode timeout.
+    fault_decode_hang: bool = False
     # A JSON file of fault_* keys, re-read while the server runs, that overrides the
     # fault_* settings above: drills can start and stop a fault without a restart.
     fault_file: str = ""

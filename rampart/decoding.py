@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image, ImageCms, ImageOps
 
+from .decode_cost import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_JPEG_SCANS, check_decode_cost
 from .errors import (
     AspectRatioOutOfRange,
     CorruptImage,
@@ -85,6 +86,8 @@ class DecodeLimits:
     max_frames: int
     min_decoded_side: int
     alpha_background: tuple[int, int, int] = (255, 255, 255)
+    max_jpeg_scans: int = DEFAULT_MAX_JPEG_SCANS  # decode-cost limits: see rampart.decode_cost
+    max_chunks: int = DEFAULT_MAX_CHUNKS
 
 
 @dataclass(frozen=True)
@@ -124,13 +127,14 @@ def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
     Raises only ``rampart.errors.ImageError`` subclasses: ``EmptyBody``,
     ``PayloadTooLarge``, ``UnsupportedFormat``, ``UndecodableImage``,
     ``ImageTooLarge``, ``ImageTooSmall``, ``AspectRatioOutOfRange``,
-    ``TooManyFrames`` or ``CorruptImage``.
+    ``TooManyFrames``, ``DecodeCostTooHigh`` or ``CorruptImage``.
     """
     if not data:
         raise EmptyBody("the request carried no image bytes")
     if len(data) > limits.max_body_bytes:
         raise PayloadTooLarge(f"the image is {len(data)} bytes; the limit is {limits.max_body_bytes} bytes")
     fmt = sniff_format(data)
+    check_decode_cost(data, fmt, limits.max_frames, limits.max_jpeg_scans, limits.max_chunks)
     try:
         image = Image.open(io.BytesIO(data), formats=[fmt])
     except Image.DecompressionBombError as exc:

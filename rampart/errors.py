@@ -15,6 +15,7 @@
     │   ├── ImageTooSmall             422 image_too_small
     │   ├── AspectRatioOutOfRange     422 aspect_ratio_out_of_range
     │   ├── TooManyFrames             422 too_many_frames
+    │   ├── DecodeCostTooHigh         422 decode_cost_too_high
     │   ├── DecodeTimeout             422 decode_timeout
     │   └── InvalidParameter          422 invalid_parameter
     ├── Overloaded                    429 overloaded (with Retry-After)
@@ -43,6 +44,7 @@ __all__ = [
     "ImageTooSmall",
     "AspectRatioOutOfRange",
     "TooManyFrames",
+    "DecodeCostTooHigh",
     "DecodeTimeout",
     "InvalidParameter",
     "Overloaded",
@@ -142,6 +144,12 @@ class TooManyFrames(ImageError):
     code, status = "too_many_frames", 422
 
 
+class DecodeCostTooHigh(ImageError):
+    """The container declares more decoding work than the limits allow (JPEG scans, chunks): see ``rampart.decode_cost``."""
+
+    code, status = "decode_cost_too_high", 422
+
+
 class DecodeTimeout(ImageError):
     """Decoding one upload took longer than ``decode_timeout_ms``."""
 
@@ -182,6 +190,7 @@ ERROR_CLASSES: tuple[type[RampartError], ...] = (
     ImageTooSmall,
     AspectRatioOutOfRange,
     TooManyFrames,
+    DecodeCostTooHigh,
     DecodeTimeout,
     InvalidParameter,
     Overloaded,

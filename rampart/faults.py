@@ -4,6 +4,9 @@ Settings ``fault_primary_delay_ms``, ``fault_primary_error_rate``,
 ``fault_primary_hang`` and ``fault_fallback_error_rate`` (environment
 ``RAMPART_FAULT_*``) make a runner slow, failing or hung, so the tests and the
 users' own drills can prove the fallback chain on a real server.
+``fault_decode_hang`` makes every decode hang before it starts (in the decode
+worker, ``rampart.decode_job``), which drills the decode timeout: the worker is
+killed and replaced.
 
 ``fault_file`` names a JSON object with the same keys (for example
 ``{"fault_primary_hang": true}``). It is re-read whenever it changes and its keys
@@ -45,7 +48,7 @@ class FaultSpec:
 
 
 class FaultInjector:
-    """Applies the faults configured for ``model`` (``primary`` or ``fallback``) before each batch.
+    """Applies the faults configured for ``model`` (``primary``, ``fallback`` or ``decode``) before each batch.
 
     ``base`` comes from the settings; ``fault_file``, when set, overrides it key by key.
     """
@@ -84,11 +87,15 @@ class FaultInjector:
             logger.warning("ignoring unreadable fault file %s: %s", self.fault_file, exc)
             return self.base
 
-    def before_batch(self) -> None:
-        """Block or raise ``InjectedFault`` as configured; returns at once when inactive."""
+    def hold_while_hung(self) -> None:
+        """Block while a hang is asked for (at most ``HANG_SECONDS``); returns at once when none is."""
         started = time.monotonic()
         while self.spec().hang and time.monotonic() - started < HANG_SECONDS:
             time.sleep(HANG_POLL_SECONDS)
+
+    def before_batch(self) -> None:
+        """Block or raise ``InjectedFault`` as configured; returns at once when inactive."""
+        self.hold_while_hung()
         spec = self.spec()
         if spec.delay_ms > 0:
             time.sleep(spec.delay_ms / 1000.0)

@@ -5,9 +5,11 @@
 proxies in the service and against stand-ins in unit tests. The deadline
 (``X-Deadline-Ms``) covers everything:
 
-- decoding and resizing run on a ``BoundedPool``: 429 when it is full or no
-  decoder frees up before the deadline, 422 ``decode_timeout`` when one decode
-  runs past ``decode_timeout_ms``;
+- decoding and resizing run on a ``BoundedPool`` of worker processes
+  (``rampart.decode_job.prepare``: bytes in, both models' bucket arrays out): 429
+  when it is full or no decoder frees up before the deadline, 422
+  ``decode_timeout`` when one decode runs past ``decode_timeout_ms`` (its worker
+  is killed and replaced, so the slot is free at once);
 - the primary is skipped while its circuit breaker is open (``primary_circuit_open``)
   or when its admission gate sheds the request (``primary_overloaded``); otherwise
   it gets the deadline minus ``fallback_reserve_ms``, and an error, a timeout or a
@@ -28,21 +30,21 @@ from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 import numpy as np
-from PIL import Image
 
 from .admission import AdmissionGate, Shed, ThroughputMeter, Ticket
 from . import metrics
 from .breaker import OPEN, STATE_VALUES, CircuitBreaker
-from .buckets import Bucket, choose_bucket, fit_to_bucket
-from .cache import CachedAnswer, ResultCache, content_key
+from .buckets import Bucket
+from .cache import CachedAnswer, ResultCache
 from .config import Settings
 from .deadline import Deadline, run_within
-from .decoding import DecodeLimits, decode_image
-from .errors import DecodeTimeout, Overloaded
-from .pool import BoundedPool, JobTimeout
+from .decode_job import DecodePlan, Prepared, prepare
+from .decoding import DecodeLimits
+from .errors import CorruptImage, DecodeTimeout, Overloaded
+from .pool import BoundedPool, JobTimeout, WorkerDied
 from .results import MAX_TOP_K, label_entries, top_classes
 
-__all__ = ["RunnerAnswer", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "working_copy"]
+__all__ = ["RunnerAnswer", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "decode_pool"]
 
 logger = logging.getLogger("rampart.pipeline")
 
@@ -85,17 +87,16 @@ def decode_limits(settings: Settings, buckets: list[Bucket]) -> DecodeLimits:
         max_frames=settings.max_frames,
         min_decoded_side=2 * max(max(b.height, b.width) for b in buckets),
         alpha_background=settings.alpha_background,
+        max_jpeg_scans=settings.max_jpeg_scans,
+        max_chunks=settings.max_chunks,
     )
 
 
-@dataclass
-class Prepared:
-    """A decoded upload: its content ``key``, an RGB working ``image`` (no side much above
-    ``min_decoded_side``) and, per role ("primary", "fallback"), its bucket and uint8 H×W×3 pixels."""
-
-    key: bytes
-    image: Image.Image
-    inputs: dict[str, tuple[Bucket, np.ndarray]]
+def decode_pool(settings: Settings) -> BoundedPool:
+    """The decode pool the settings ask for: ``decode_mode`` processes (forkserver preloaded
+    with the decode code) or threads, ``decode_workers`` of them at ``decode_nice``."""
+    return BoundedPool(settings.decode_workers, settings.decode_queue, nice=settings.decode_nice,
+                       processes=settings.decode_mode == "processes", preload=("rampart.decode_job",))
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,8 @@ class Classifier:
         ), None)
         self.cache = ResultCache(settings.cache_size)
         self.limits = decode_limits(settings, [*primary.buckets.values(), *fallback.buckets.values()])
+        self.plan = DecodePlan(self.limits, {"primary": primary.buckets, "fallback": fallback.buckets},
+                               settings.crop_margin, settings.fault_decode_hang, settings.fault_file)
 
     def retry_after_s(self) -> float:
         """``Retry-After`` for a 429: when the first of the two models will have drained its queue.
@@ -317,17 +320,25 @@ class Classifier:
             if ticket is not None:
                 lane.release(ticket)
 
-    def _prepare(self, data: bytes, roles: tuple[str, ...]) -> Prepared:
-        key = content_key(data)
-        decoded = decode_image(data, self.limits)
-        metrics.INPUT_MEGAPIXELS.observe(decoded.declared_size[0] * decoded.declared_size[1] / 1e6)
-        image = working_copy(decoded.image, self.limits.min_decoded_side)
-        return Prepared(key, image, {role: self._fit(image, role) for role in roles})
+    async def _prepare(self, data: bytes, deadline: Deadline, high: bool) -> Prepared:
+        """Decode ``data`` on the pool into both models' inputs (``rampart.decode_job.prepare``).
 
-    def _fit(self, image: Image.Image, role: str) -> tuple[Bucket, np.ndarray]:
-        lane = self.primary if role == "primary" else self.fallback
-        bucket = choose_bucket(*image.size, lane.endpoint.buckets)
-        return bucket, fit_to_bucket(image, bucket, self.settings.crop_margin)
+        Raises ``DecodeTimeout`` past ``decode_timeout_ms``, ``JobTimeout`` when the
+        deadline ran out first, ``Overloaded`` when no decoder is free in time,
+        ``CorruptImage`` when the decoder process died on the input, and the
+        decoder's own ``ImageError``.
+        """
+        try:
+            prepared = await self.pool.run(prepare, data, self.plan, high=high, budget_s=deadline.remaining_s(),
+                                           run_limit_s=self.settings.decode_timeout_ms / 1000)
+        except JobTimeout as exc:
+            if exc.by_run_limit:
+                raise DecodeTimeout(f"decoding took longer than {self.settings.decode_timeout_ms} ms") from None
+            raise
+        except WorkerDied as exc:  # a decoder crash (or the OOM killer) on this input: the input's fault
+            raise CorruptImage(f"the image could not be decoded: {exc}") from None
+        metrics.INPUT_MEGAPIXELS.observe(prepared.declared_size[0] * prepared.declared_size[1] / 1e6)
+        return prepared
 
     async def classify(self, data: bytes, top_k: int, deadline: Deadline, high: bool = False) -> dict:
         """The response body for one image (see README, "API").
@@ -361,15 +372,9 @@ class Classifier:
 
     async def _classify(self, data: bytes, top_k: int, deadline: Deadline, high: bool, admission: Admission) -> dict:
         start = time.perf_counter()
-        roles = ("primary",) if admission.primary is not None else ("fallback",)
         try:
-            prepared = await self.pool.run(
-                self._prepare, data, roles, high=high, budget_s=deadline.remaining_s(),
-                run_limit_s=self.settings.decode_timeout_ms / 1000,
-            )
-        except JobTimeout as exc:
-            if exc.by_run_limit:
-                raise DecodeTimeout(f"decoding took longer than {self.settings.decode_timeout_ms} ms") from None
+            prepared = await self._prepare(data, deadline, high)
+        except JobTimeout:
             return self._static_answer("deadline_exceeded", _ms_since(start), start)
         decode_ms = _ms_since(start)
 
@@ -399,13 +404,6 @@ class Classifier:
         return self._static_answer("no_model_available", decode_ms, start)
 
     async def _fallback_attempt(self, prepared: Prepared, ticket: Ticket, deadline: Deadline) -> Attempt:
-        if "fallback" not in prepared.inputs:
-            try:
-                prepared.inputs["fallback"] = await self.pool.run(
-                    self._fit, prepared.image, "fallback", high=True, budget_s=deadline.remaining_s()
-                )
-            except (Overloaded, JobTimeout):
-                return Attempt(None, "fallback_timeout", shed=True)
         return await self.fallback.attempt(ticket, prepared.inputs["fallback"], deadline, 0.0)
 
     def _answer(self, lane: ModelLane, answer: RunnerAnswer, prepared: Prepared, top_k: int, decode_ms: float,
@@ -434,6 +432,7 @@ class Classifier:
             "cache_entries": len(self.cache),
             "inflight_limit": self.inflight_limit(),
             "decode_pending": self.pool.pending,
+            "decode_workers": self.pool.stats(),
         }
 
     def _cached_answer(self, cached: CachedAnswer, top_k: int, decode_ms: float, start: float) -> dict:
@@ -458,16 +457,6 @@ class Classifier:
             "bucket": None,
             "timings_ms": _timings(decode_ms, 0.0, 0.0, _ms_since(start)),
         }
-
-
-def working_copy(image: Image.Image, min_side: int) -> Image.Image:
-    """``image`` shrunk by an integer box-filter factor (``Image.reduce``) while its short side stays ≥ ``min_side``.
-
-    Every bucket is smaller than ``min_side``/2, so nothing is lost, and the copy kept
-    for a possible fallback is small (≤ 4× ``min_side``² × aspect ratio × 3 bytes).
-    """
-    factor = min(image.size) // min_side
-    return image.reduce(factor) if factor >= 2 else image
 
 
 def _ms_since(start: float) -> float:

@@ -1,6 +1,6 @@
-"""A bounded, priority-ordered thread pool for CPU work that must not block the event loop.
+"""A bounded, priority-ordered pool of decode workers: processes that can be killed, or threads.
 
-Decoding and resizing run on ``workers`` threads. At most ``queue`` more jobs may
+Decoding and resizing run on ``workers`` workers. At most ``queue`` more jobs may
 wait; an upload beyond that gets ``Overloaded`` (429 with Retry-After) at once,
 so memory held by waiting uploads stays bounded. Waiting jobs start high
 priority first, then in arrival order.
@@ -8,8 +8,22 @@ priority first, then in arrival order.
 Time is bounded twice: a job that has not *started* within the caller's budget is
 cancelled (no work is spent on a request whose deadline has passed) and answered
 ``Overloaded``; a job that has started but runs past ``run_limit_s`` or the budget
-raises ``JobTimeout``. A thread cannot be killed, so a timed-out job keeps its
-slot until it really ends: the pool's bound on memory holds.
+raises ``JobTimeout``. What happens to the overrunning job depends on the mode:
+
+- ``processes=True`` (the service's default): each worker is a process started
+  from a ``forkserver`` (safe inside a threaded server, unlike ``fork``; a
+  replacement starts in tens of milliseconds because the server has already
+  imported ``preload``). A job that overruns is killed with SIGKILL, its slot is
+  free at once, and a new process takes its place; a worker that dies on its own
+  (a decoder crash, the OOM killer) is replaced the same way and its job raises
+  ``WorkerDied``. Jobs must be picklable: a module-level function and its
+  arguments go in, its return value comes back through a pipe.
+- ``processes=False``: workers are threads of this process. A thread cannot be
+  killed, so a timed-out job keeps its slot until it really ends; the bound on
+  memory still holds.
+
+Each worker (thread or process) runs at niceness ``nice``, so the event loop,
+which answers and sheds, stays ahead of decoding for the CPU.
 """
 
 from __future__ import annotations
@@ -17,15 +31,22 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import logging
+import multiprocessing
 import os
+import signal
+import sys
 import threading
 import time
+import types
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
 from .errors import Overloaded
 
-__all__ = ["BoundedPool", "JobTimeout"]
+__all__ = ["BoundedPool", "JobTimeout", "WorkerDied"]
+
+logger = logging.getLogger("rampart.pool")
 
 T = TypeVar("T")
 
@@ -39,20 +60,127 @@ class JobTimeout(Exception):
         self.by_run_limit = by_run_limit
 
 
+class WorkerDied(Exception):
+    """The worker process running the job died without being asked to (exit code or signal in the message)."""
+
+
+class _Abandoned(Exception):
+    """The job's process was killed on purpose; nobody waits for its result any more."""
+
+
+def _serve(conn, nice: int) -> None:
+    """A worker process: run ``(fn, args)`` from ``conn`` and send back ``("ok", result)`` or ``("error", exc)``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on `bentoml serve` is the parent's to handle
+    if nice > 0:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, nice)
+        except OSError:
+            pass
+    while True:
+        try:
+            fn, args = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            return
+        try:
+            reply = ("ok", fn(*args))
+        except Exception as exc:
+            reply = ("error", exc)
+        try:
+            conn.send(reply)
+        except Exception as exc:  # an unpicklable result or exception
+            conn.send(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
+
+
+_START_LOCK = threading.Lock()
+
+
+class _Process:
+    """One worker process and the pipe to it."""
+
+    def __init__(self, context, nice: int, name: str) -> None:
+        self.context, self.nice, self.name = context, nice, name
+        self.start_ms = 0.0
+        self._start()
+
+    def _start(self) -> None:
+        started = time.perf_counter()
+        self.conn, child = self.context.Pipe()
+        self.process = self.context.Process(target=_serve, args=(child, self.nice), name=self.name, daemon=True)
+        with _START_LOCK:
+            # A forkserver child re-imports the parent's __main__ (CPython multiprocessing.spawn.prepare):
+            # under `bentoml serve` that is BentoML's worker entry point, seconds of imports per
+            # worker. The worker needs nothing from it, so it is shown an empty __main__.
+            main, sys.modules["__main__"] = sys.modules["__main__"], types.ModuleType("__main__")
+            try:
+                self.process.start()
+            finally:
+                sys.modules["__main__"] = main
+        child.close()
+        self.start_ms = (time.perf_counter() - started) * 1000.0
+
+    def call(self, fn: Callable, args: tuple):
+        """Run ``fn(*args)`` in the process; raises what it raised, or ``EOFError``/``OSError`` if it died."""
+        self.conn.send((fn, args))
+        status, value = self.conn.recv()
+        if status == "error":
+            raise value
+        return value
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def replace(self) -> None:
+        """Reap this process (killing it if needed) and start a new one in its place."""
+        self.conn.close()
+        self.process.kill()
+        self.process.join()
+        self._start()
+
+    def describe_death(self) -> str:
+        self.process.join(timeout=1.0)
+        code = self.process.exitcode
+        if code is not None and code < 0:
+            return f"killed by signal {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+
+class _Slot:
+    """One worker: its thread, its process (process mode) and the job it runs now."""
+
+    def __init__(self) -> None:
+        self.process: _Process | None = None
+        self.job: Future | None = None
+        self.abandoned = False
+
+
 class BoundedPool:
-    """``workers`` threads (at niceness ``nice``) plus a wait queue of ``queue`` jobs; ``retry_after_s`` goes into 429s."""
+    """``workers`` workers (processes or threads, at niceness ``nice``) plus a wait queue of ``queue`` jobs.
+
+    ``retry_after_s`` goes into 429s. ``preload``: modules the process mode's
+    forkserver imports once, so each (re)started worker has them already.
+    """
 
     def __init__(self, workers: int, queue: int, retry_after_s: float = 1.0, name: str = "rampart-decode",
-                 nice: int = 0) -> None:
+                 nice: int = 0, processes: bool = False, preload: tuple[str, ...] = ()) -> None:
+        self.workers = workers
         self.capacity = workers + queue
         self.retry_after_s = retry_after_s
+        self.nice = nice
+        self.processes = processes
+        self.replaced = 0
         self._cond = threading.Condition()
-        self._heap: list[tuple[int, int, Future, Callable, tuple]] = []
+        self._heap: list[tuple[int, int, Future, Callable, tuple, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._pending = 0
-        self.nice = nice
+        self._slots = [_Slot() for _ in range(workers)]
+        if processes:
+            context = multiprocessing.get_context("forkserver")
+            context.set_forkserver_preload([__name__, *preload])
+            for index, slot in enumerate(self._slots):
+                slot.process = _Process(context, nice, f"{name}-{index}")
         self._threads = [
-            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True) for i in range(workers)
+            threading.Thread(target=self._work, args=(slot,), name=f"{name}-{i}", daemon=True)
+            for i, slot in enumerate(self._slots)
         ]
         for thread in self._threads:
             thread.start()
@@ -61,6 +189,17 @@ class BoundedPool:
     def pending(self) -> int:
         """Jobs running or waiting now."""
         return self._pending
+
+    def stats(self) -> dict:
+        """For ``GET /stats``: mode, workers configured and alive, replacements so far, jobs pending,
+        and the last (re)start time of a worker process in ms."""
+        if self.processes:
+            alive = sum(1 for slot in self._slots if slot.process.process.is_alive())
+            start_ms = round(max(slot.process.start_ms for slot in self._slots), 1)
+        else:
+            alive, start_ms = sum(1 for thread in self._threads if thread.is_alive()), None
+        return {"mode": "processes" if self.processes else "threads", "configured": self.workers, "alive": alive,
+                "replaced": self.replaced, "pending": self._pending, "worker_start_ms": start_ms}
 
     async def run(
         self, fn: Callable[..., T], *args: object, high: bool = False,
@@ -71,49 +210,67 @@ class BoundedPool:
         Raises ``Overloaded`` when the pool is full, or when the job has not started
         within ``budget_s`` seconds (it is then cancelled). Raises ``JobTimeout`` when
         it started but is still running after ``run_limit_s`` seconds of its own or
-        when ``budget_s`` runs out. The slot is held until the job itself ends.
+        when ``budget_s`` runs out; a process worker is then killed and replaced, a
+        thread keeps its slot until the job ends. Raises ``WorkerDied`` when a
+        worker process dies during the job, and whatever ``fn`` raised.
         """
         loop = asyncio.get_running_loop()
         started = asyncio.Event()
         started_at: list[float] = []
         future: Future = Future()
 
-        def job() -> T:
+        def on_start() -> None:
             started_at.append(time.monotonic())
             loop.call_soon_threadsafe(started.set)
-            return fn(*args)
 
         with self._cond:
             if self._pending >= self.capacity:
                 raise Overloaded(f"decoding capacity is exhausted ({self.capacity} uploads in progress)", self.retry_after_s)
             self._pending += 1
-            heapq.heappush(self._heap, (0 if high else 1, next(self._seq), future, job, ()))
+            heapq.heappush(self._heap, (0 if high else 1, next(self._seq), future, fn, args, on_start))
             self._cond.notify()
         submitted = time.monotonic()
         result = asyncio.wrap_future(future)
         result.add_done_callback(lambda f: f.cancelled() or f.exception())  # never "exception was never retrieved"
-        if budget_s is None and run_limit_s is None:
-            return await result
-        budget_s = float("inf") if budget_s is None else max(budget_s, 0.0)
-        start_wait = asyncio.ensure_future(started.wait())
         try:
-            await asyncio.wait([start_wait, result], timeout=budget_s, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            start_wait.cancel()
-        if not started.is_set() and future.cancel():
-            raise Overloaded(
-                f"no decoder became free within the request's deadline ({budget_s * 1000:.0f} ms)", self.retry_after_s
-            )
-        left_s = budget_s - (time.monotonic() - submitted)
-        run_limit_s = float("inf") if run_limit_s is None else run_limit_s
-        done, _ = await asyncio.wait([result], timeout=max(min(run_limit_s, left_s), 0.0))
-        if done:
-            return result.result()
+            if budget_s is None and run_limit_s is None:
+                return await result
+            budget_s = float("inf") if budget_s is None else max(budget_s, 0.0)
+            start_wait = asyncio.ensure_future(started.wait())
+            try:
+                await asyncio.wait([start_wait, result], timeout=budget_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                start_wait.cancel()
+            if not started.is_set() and future.cancel():
+                raise Overloaded(
+                    f"no decoder became free within the request's deadline ({budget_s * 1000:.0f} ms)",
+                    self.retry_after_s,
+                )
+            left_s = budget_s - (time.monotonic() - submitted)
+            run_limit_s = float("inf") if run_limit_s is None else run_limit_s
+            done, _ = await asyncio.wait([result], timeout=max(min(run_limit_s, left_s), 0.0))
+            if done:
+                return result.result()
+        except asyncio.CancelledError:  # the request went away: free its worker too
+            if not future.cancel():
+                self._abandon(future)
+            raise
+        self._abandon(future)
         ran_s = time.monotonic() - (started_at[0] if started_at else submitted)
         raise JobTimeout(ran_s, by_run_limit=run_limit_s <= left_s)
 
-    def _work(self) -> None:
-        if self.nice > 0:
+    def _abandon(self, future: Future) -> None:
+        """Kill the process running ``future``'s job, if it still runs one (process mode only)."""
+        if not self.processes:
+            return
+        with self._cond:
+            for slot in self._slots:
+                if slot.job is future and not slot.abandoned:
+                    slot.abandoned = True
+                    slot.process.kill()
+
+    def _work(self, slot: _Slot) -> None:
+        if self.nice > 0 and not self.processes:
             try:  # Linux: niceness is per thread
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.nice)
             except OSError:
@@ -122,13 +279,54 @@ class BoundedPool:
             with self._cond:
                 while not self._heap:
                     self._cond.wait()
-                _, _, future, fn, args = heapq.heappop(self._heap)
-            try:
-                if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn(*args))
-                    except BaseException as exc:
-                        future.set_exception(exc)
-            finally:
-                with self._cond:
-                    self._pending -= 1
+                _, _, future, fn, args, on_start = heapq.heappop(self._heap)
+                running = future.set_running_or_notify_cancel()
+                if running:
+                    slot.job, slot.abandoned = future, False
+            outcome: tuple[bool, object] | None = None
+            if running:
+                on_start()
+                try:
+                    outcome = (True, self._call(slot, fn, args))
+                except BaseException as exc:
+                    outcome = (False, exc)
+            with self._cond:  # the slot is free before the caller hears the outcome
+                self._pending -= 1
+                abandoned, slot.job, slot.abandoned = slot.abandoned, None, False
+            if outcome is not None and outcome[0]:
+                future.set_result(outcome[1])
+            elif outcome is not None:
+                future.set_exception(outcome[1])
+            if abandoned:  # killed on purpose, perhaps just after it answered: start a fresh one
+                self._replace(slot)
+
+    def _call(self, slot: _Slot, fn: Callable, args: tuple):
+        if slot.process is None:
+            return fn(*args)
+        if not slot.process.process.is_alive():  # died while idle
+            logger.warning("decode worker %s %s; replacing it", slot.process.name, slot.process.describe_death())
+            self._replace(slot)
+        try:
+            return slot.process.call(fn, args)
+        except (EOFError, OSError) as exc:
+            if slot.abandoned:
+                raise _Abandoned("the job ran past its limit and its worker was killed") from None
+            death = slot.process.describe_death()
+            logger.warning("decode worker %s %s during a job; replacing it", slot.process.name, death)
+            self._replace(slot)
+            raise WorkerDied(f"the decode worker {death}") from exc
+
+    def _replace(self, slot: _Slot) -> None:
+        try:
+            slot.process.replace()
+        except Exception:  # keep the thread alive; the next job retries the start
+            logger.exception("could not start a decode worker")
+            return
+        self.replaced += 1
+        logger.info("decode worker %s replaced in %.0f ms", slot.process.name, slot.process.start_ms)
+
+    def close(self) -> None:
+        """Kill the worker processes (the threads are daemons and end with the interpreter)."""
+        for slot in self._slots:
+            if slot.process is not None:
+                slot.process.kill()

@@ -9,14 +9,18 @@ import sys
 from tests.conftest import ROOT
 
 
-def test_decode_bench_writes_json_and_plot_and_draft_beats_naive(tmp_path):
+def test_decode_bench_writes_json_and_plot_draft_beats_naive_and_processes_free_slots(tmp_path):
     subprocess.run([sys.executable, "-m", "bench.decode_bench", "--repeats", "2", "--out", str(tmp_path)],
                    cwd=ROOT, check=True, capture_output=True, timeout=300)
     results = json.loads((tmp_path / "decode.json").read_text())
     assert (tmp_path / "decode.png").stat().st_size > 0
-    assert set(results) == {"jpeg_7680x4320", "png_4000x3000"}
+    assert set(results) == {"jpeg_7680x4320", "png_4000x3000", "workers"}
     jpeg = results["jpeg_7680x4320"]
     assert jpeg["speedup"] > 1.0 and jpeg["rss_ratio"] > 1.2, jpeg  # same-run ratios: draft decoding pays
+    threads, processes = results["workers"]["threads"], results["workers"]["processes"]
+    # Same-run ratio: killed bombs free their workers, threads keep running them.
+    behind = "photos_behind_slow_bombs"
+    assert processes[behind]["ips"] > 1.5 * threads[behind]["ips"], results["workers"]
 
 
 def test_load_bench_quick_runs_end_to_end_with_both_baselines(tmp_path):

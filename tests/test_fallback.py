@@ -10,6 +10,7 @@ import time
 import httpx
 import pytest
 
+from rampart.config import Settings
 from tests.conftest import PHOTOS, SLACK_MS, encode, photo
 
 DEADLINE_MS = 800
@@ -90,13 +91,21 @@ def write_faults(path, **faults) -> None:
     os.replace(tmp, path)
 
 
-def test_fault_drill_cache_static_answer_breaker_open_and_close(start_server, tmp_path):
-    """One server, faults switched at run time through RAMPART_FAULT_FILE."""
-    faults = tmp_path / "faults.json"
+@pytest.fixture(scope="module")
+def drill(start_server, tmp_path_factory):
+    """One server whose faults are switched at run time through RAMPART_FAULT_FILE: (server, fault file)."""
+    faults = tmp_path_factory.mktemp("drill") / "faults.json"
     write_faults(faults)
     # A 500 ms fallback reserve: until the breaker opens, 8 concurrent requests share it on 2 CPU cores.
     server = start_server(RAMPART_FAULT_FILE=str(faults), RAMPART_BREAKER_MIN_CALLS=4, RAMPART_BREAKER_OPEN_MS=1000,
                           RAMPART_FALLBACK_RESERVE_MS=500)
+    yield server, faults
+    write_faults(faults)
+
+
+def test_fault_drill_cache_static_answer_breaker_open_and_close(drill):
+    """Faults switched at run time through RAMPART_FAULT_FILE."""
+    server, faults = drill
     chelsea, coffee = encode(photo("chelsea")), encode(photo("coffee"))
     with httpx.Client(base_url=server.url, timeout=10) as client:
         healthy = client.post("/classify", content=chelsea).json()
@@ -139,3 +148,29 @@ def test_fault_drill_cache_static_answer_breaker_open_and_close(start_server, tm
         assert "half_open" in states or states[0] == "closed"
         stats = client.get("/stats").json()
         assert stats["primary"]["runner"]["ttl_dropped"] > 0  # the hung batch's items expired in the runner
+
+
+def test_a_hung_decode_is_killed_its_worker_replaced_and_the_next_upload_answered(drill):
+    """The decode-hang fault: 422 decode_timeout at decode_timeout_ms, then a fresh worker answers the next upload."""
+    server, faults = drill
+    timeout_ms = Settings().decode_timeout_ms
+    chelsea = encode(photo("chelsea"))
+    with httpx.Client(base_url=server.url, timeout=30, headers={"X-Deadline-Ms": str(4 * timeout_ms)}) as client:
+        replaced = client.get("/stats").json()["decode_workers"]["replaced"]
+        write_faults(faults, fault_decode_hang=True)
+        try:
+            started = time.perf_counter()
+            hung = client.post("/classify", content=chelsea)
+            elapsed_ms = (time.perf_counter() - started) * 1000
+        finally:
+            write_faults(faults)
+        assert hung.status_code == 422 and hung.json()["error"]["code"] == "decode_timeout", hung.text
+        assert elapsed_ms < timeout_ms + SLACK_MS
+        answer = client.post("/classify", content=chelsea, headers={"X-Deadline-Ms": "1000"})
+        assert answer.status_code == 200 and {label["index"] for label in answer.json()["labels"][:3]} & PHOTOS["chelsea"]
+        for _ in range(50):  # the replacement starts in tens of ms; allow a loaded machine 5 s
+            workers = client.get("/stats").json()["decode_workers"]
+            if workers["alive"] == workers["configured"]:
+                break
+            time.sleep(0.1)
+        assert workers["replaced"] == replaced + 1 and workers["alive"] == workers["configured"], workers

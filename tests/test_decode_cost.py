@@ -1,0 +1,106 @@
+"""Decode cost counted before decoding (``rampart.decode_cost``): bombs of every kind refused, real images not."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import time
+
+import httpx
+import pytest
+from PIL import Image
+
+from bench.bombs import CHUNK_FORMATS, MULTI_FRAME_FORMATS, many_chunks, many_frames, progressive_jpeg
+from rampart import errors
+from rampart.config import Settings
+from rampart.decode_cost import check_decode_cost
+from rampart.decoding import DecodeLimits, decode_image, sniff_format
+from tests.conftest import PHOTOS, SLACK_MS, encode, photo
+from tests.test_decoding import LIMITS
+
+SETTINGS = Settings()
+BOMBS = {
+    "progressive_jpeg_8000_scans": (progressive_jpeg(7000, 8000), errors.DecodeCostTooHigh),
+    **{f"{fmt.lower()}_101_frames": (many_frames(fmt, 101), errors.TooManyFrames) for fmt in MULTI_FRAME_FORMATS},
+    **{f"{fmt.lower()}_200k_chunks": (many_chunks(fmt, 200_000), errors.DecodeCostTooHigh) for fmt in CHUNK_FORMATS},
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOMBS))
+def test_each_bomb_is_refused_from_its_headers(name):
+    data, error = BOMBS[name]
+    with pytest.raises(error):
+        decode_image(data, LIMITS)
+
+
+@pytest.mark.parametrize("fmt", MULTI_FRAME_FORMATS)
+def test_a_few_frames_are_accepted_and_the_first_is_classified(fmt):
+    data = many_frames(fmt, 3)
+    cost = check_decode_cost(data, sniff_format(data), LIMITS.max_frames)
+    assert cost.frames == 3
+    if fmt != "GIF":  # the GIF builder's frames are one pixel on a 7000×7000 screen
+        assert decode_image(data, LIMITS).image.mode == "RGB"
+
+
+def test_scan_limit_is_exact_and_real_progressive_photos_pass():
+    limits = DecodeLimits(**{**LIMITS.__dict__, "max_jpeg_scans": 20})
+    assert decode_image(progressive_jpeg(256, 20), limits).image.size == (256, 256)
+    with pytest.raises(errors.DecodeCostTooHigh, match="more than 20 scans"):
+        decode_image(progressive_jpeg(256, 21), limits)
+    for name in ("chelsea", "china"):
+        for progressive in (False, True):
+            data = encode(photo(name), progressive=progressive)
+            assert check_decode_cost(data, "JPEG", LIMITS.max_frames).scans == (10 if progressive else 1)
+            decode_image(data, LIMITS)
+
+
+@pytest.mark.parametrize("fmt", ["JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF"])
+def test_real_photos_cost_one_frame_and_few_chunks(fmt):
+    data = encode(photo("china"), fmt)
+    cost = check_decode_cost(data, fmt, LIMITS.max_frames)
+    assert cost.frames == 1 and cost.chunks < 2_000 and cost.scans <= 1
+
+
+@pytest.mark.parametrize("fmt", CHUNK_FORMATS)
+def test_chunk_walk_stops_at_the_limit_not_at_the_end(fmt):
+    """400,000 empty chunks: refused after max_chunks steps, a fraction of what Pillow's own header parse costs."""
+    data = many_chunks(fmt, 4 * SETTINGS.max_chunks)
+    start = time.perf_counter()
+    with pytest.raises(errors.DecodeCostTooHigh):
+        check_decode_cost(data, fmt, LIMITS.max_frames, max_chunks=SETTINGS.max_chunks)
+    capped_s = time.perf_counter() - start
+    start = time.perf_counter()
+    try:
+        Image.open(io.BytesIO(data)).load()  # the same bytes through Pillow alone, same run
+    except Exception:
+        pass
+    pillow_s = time.perf_counter() - start
+    assert capped_s < 0.5 * pillow_s, (capped_s, pillow_s)
+
+
+def test_bombs_get_4xx_fast_and_ordinary_uploads_right_after_get_200(server):
+    """All bombs at once (far more than the decode workers), then ordinary uploads, one after another: each
+    answered 200 with labels within its 1 s deadline (plus slack), and every decode worker alive."""
+    timeout_ms = SETTINGS.decode_timeout_ms
+
+    async def timed(client: httpx.AsyncClient, body: bytes, deadline_ms: int) -> tuple[httpx.Response, float]:
+        start = time.perf_counter()
+        response = await client.post("/classify", content=body, headers={"X-Deadline-Ms": str(deadline_ms)})
+        return response, (time.perf_counter() - start) * 1000
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            bombs = await asyncio.gather(*(timed(client, data, 30_000) for data, _ in BOMBS.values()))
+            ordinary = [await timed(client, encode(photo(name)), 1000) for name in PHOTOS]  # one after another
+            return bombs, ordinary, (await client.get("/stats")).json()
+
+    bombs, ordinary, stats = asyncio.run(scenario())
+    for name, (response, elapsed_ms) in zip(BOMBS, bombs):
+        assert response.status_code == 422, (name, response.text)
+        assert response.json()["error"]["code"] == BOMBS[name][1].code, name
+        assert elapsed_ms < timeout_ms + SLACK_MS, (name, elapsed_ms)
+    for name, (response, elapsed_ms) in zip(PHOTOS, ordinary):
+        assert response.status_code == 200 and response.json()["labels"], (name, response.text)
+        assert elapsed_ms < 1000 + SLACK_MS, (name, elapsed_ms)
+    workers = stats["decode_workers"]
+    assert workers["mode"] == "processes" and workers["alive"] == workers["configured"] == SETTINGS.decode_workers

@@ -1,0 +1,117 @@
+"""Decode worker processes (``rampart.pool`` with ``processes=True``): an overrun frees its slot at once."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import time
+
+import pytest
+
+from rampart import errors
+from rampart.config import Settings
+from rampart.deadline import Deadline
+from rampart.decode_job import prepare
+from rampart.errors import Overloaded
+from rampart.pipeline import decode_pool
+from rampart.pool import BoundedPool, JobTimeout, WorkerDied
+from tests.conftest import encode, photo
+from tests.test_pipeline import classifier
+
+
+@pytest.fixture(scope="module")
+def pool():
+    pool = BoundedPool(workers=2, queue=4, processes=True, preload=("rampart.decode_job",))
+    yield pool
+    pool.close()
+
+
+def test_an_overrunning_job_is_killed_and_its_slot_and_worker_come_back(pool):
+    async def scenario():
+        with pytest.raises(JobTimeout) as overrun:
+            await pool.run(time.sleep, 3600, budget_s=30, run_limit_s=0.2)
+        assert overrun.value.by_run_limit
+        # Both slots work again, side by side, long before the hung job could have ended.
+        started = time.monotonic()
+        await pool.run(time.sleep, 0.4)
+        one_s = time.monotonic() - started
+        started = time.monotonic()
+        await asyncio.gather(*(pool.run(time.sleep, 0.4) for _ in range(2)))
+        return (time.monotonic() - started) / one_s
+
+    before = pool.replaced
+    assert asyncio.run(scenario()) < 1.5  # two jobs take about as long as one: both workers run
+    stats = pool.stats()
+    assert pool.replaced == before + 1 and stats["alive"] == stats["configured"] == 2 and stats["pending"] == 0
+
+
+def test_a_job_past_the_callers_budget_is_killed_too(pool):
+    async def scenario():
+        with pytest.raises(JobTimeout) as late:
+            await pool.run(time.sleep, 3600, budget_s=0.2, run_limit_s=30)
+        return late.value
+
+    before = pool.replaced
+    assert not asyncio.run(scenario()).by_run_limit
+    _wait_for(lambda: pool.replaced == before + 1 and pool.stats()["alive"] == 2)
+
+
+def test_a_worker_that_dies_is_replaced_and_the_job_raises_worker_died(pool):
+    async def scenario():
+        with pytest.raises(WorkerDied, match="exited with code 3"):
+            await pool.run(os._exit, 3)
+        return await pool.run(sum, [1, 2, 3])
+
+    assert asyncio.run(scenario()) == 6
+    assert pool.stats()["alive"] == 2
+
+
+def test_process_pool_keeps_priority_order_and_its_queue_bound():
+    one = BoundedPool(workers=1, queue=3, processes=True)
+    try:
+        async def scenario():
+            blocker = asyncio.create_task(one.run(time.sleep, 0.5))
+            await asyncio.sleep(0.2)
+            normal = [asyncio.create_task(one.run(time.monotonic)) for _ in range(2)]
+            high = asyncio.create_task(one.run(time.monotonic, high=True))
+            await asyncio.sleep(0.05)
+            with pytest.raises(Overloaded):  # one running + three waiting = full
+                await one.run(time.monotonic)
+            await blocker
+            return await high, await asyncio.gather(*normal)
+
+        high_at, normal_at = asyncio.run(scenario())
+        assert high_at < min(normal_at)
+    finally:
+        one.close()
+
+
+def test_pipeline_on_processes_answers_422_decode_timeout_then_the_next_upload():
+    """The decode-hang fault: 422 decode_timeout, the worker replaced, and the next upload answered."""
+    settings = Settings(decode_timeout_ms=300, fault_decode_hang=True)
+    slow = classifier(settings, pool=decode_pool(settings))
+    try:
+        data = encode(photo("chelsea"))
+        with pytest.raises(errors.DecodeTimeout):
+            asyncio.run(slow.classify(data, 5, Deadline(10_000)))
+        slow.plan = dataclasses.replace(slow.plan, fault_hang=False)  # the fault ends
+        answer = asyncio.run(slow.classify(data, 3, Deadline(10_000)))
+        assert answer["labels"][0]["index"] == 1 and slow.state()["decode_workers"]["replaced"] == 1
+    finally:
+        slow.pool.close()
+
+
+def test_prepare_returns_both_models_inputs_and_a_warnings_tuple():
+    plan = classifier(Settings()).plan
+    prepared = prepare(encode(photo("chelsea")), plan)
+    assert {role: (bucket.name, pixels.shape, pixels.dtype.name) for role, (bucket, pixels) in prepared.inputs.items()} \
+        == {"primary": ("landscape", (260, 346, 3), "uint8"), "fallback": ("landscape", (224, 298, 3), "uint8")}
+    assert isinstance(prepared.warnings, tuple) and len(prepared.key) == 32 and prepared.declared_size == (451, 300)
+
+
+def _wait_for(condition, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
