@@ -33,6 +33,10 @@ __all__ = ["MAX_HEAD_BYTES", "HeadLimitedProtocol", "limit_request_heads"]
 #: Longest request head (request line, headers, their line ends) accepted, in bytes.
 #: AWS ALB allows 64 KiB in all; nginx 4 × 8 KiB lines by default, Node.js 16 KiB.
 MAX_HEAD_BYTES = 64 * 1024
+#: After a 431, how long the rest of the head is read and dropped before the connection
+#: is closed (nginx's lingering close): closing with unread data would make the kernel
+#: reset the connection, and the client could lose the 431 before reading it.
+LINGER_S = 2.0
 _END_OF_HEAD = b"\r\n\r\n"
 
 
@@ -52,8 +56,11 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._in_head = True  # from the end of a message to the end of the next head
         self._head_bytes = 0
         self._head_tail = b""  # the head's last bytes so far, to find an end cut between two reads
+        self._refused = False  # a 431 was sent: what still arrives is dropped until the connection closes
 
     def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
         if self._in_head:
             window = self._head_tail + data
             end = window.find(_END_OF_HEAD)
@@ -73,7 +80,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._in_head, self._head_bytes, self._head_tail = True, 0, b""
 
     def _refuse(self) -> None:
-        """Answer 431 with the JSON error body, count and log it, and close the connection."""
+        """Answer 431 with the JSON error body, count and log it, and close the connection after ``LINGER_S``."""
         request_id = uuid.uuid4().hex
         error = HeadersTooLarge(f"the request line and headers are over the limit of {self.max_head_bytes} bytes")
         body = JSONResponse(error.to_body(request_id)).body
@@ -81,8 +88,10 @@ class HeadLimitedProtocol(HttpToolsProtocol):
             b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\nx-request-id: %s\r\nconnection: close\r\n\r\n%s"
             % (len(body), request_id.encode(), body))
-        self.transport.close()
-        self._in_head = False  # nothing more is read from this connection
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # the client sees the answer end; its own close then ends the connection
+        self.loop.call_later(LINGER_S, self.transport.close)
+        self._refused = True
         metrics.RESPONSES.labels(str(error.status), error.code).inc()
         log_request(request_id, "", error.status, error.code, False, 0.0)
 

@@ -189,25 +189,33 @@ def test_unknown_paths_and_wrong_methods_get_json_404_and_405(http):
     assert wrong.headers["allow"] == "POST"
     json_error(http.post("/livez"), 405, "method_not_allowed")
     json_error(http.put("/metrics"), 405, "method_not_allowed")
-    json_error(http.get("/classify_batch/"), 404, "not_found")
+    json_error(http.get("/classify_batch/x"), 404, "not_found")
 
 
 def test_metric_series_do_not_grow_with_random_paths_and_methods(server, http):
     rng = random.Random(10)
     methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
+    wrong_methods = ["PUT", "DELETE", "PATCH"]  # served by none of the known paths
     known = ["/classify", "/classify_batch", "/stats", "/livez", "/readyz", "/metrics", "/healthz"]
+    unknown = [lambda: f"/{rng.getrandbits(64):x}", lambda: f"/classify/{rng.getrandbits(32):x}",
+               lambda: f"/static_content/{rng.getrandbits(32):x}", lambda: f"{rng.choice(known)}{rng.randint(0, 9)}"]
 
-    def send(count: int) -> None:
-        for _ in range(count):
-            path = rng.choice([f"/{rng.getrandbits(64):x}", f"/classify/{rng.getrandbits(32):x}",
-                               f"/static_content/{rng.getrandbits(32):x}", f"{rng.choice(known)}{rng.randint(0, 9)}"])
-            assert http.request(rng.choice(methods), path).status_code in (404, 405)
-            if rng.random() < 0.1:  # a served path with a wrong method
-                http.request(rng.choice(["PUT", "DELETE", "PATCH"]), rng.choice(known))
+    def send(method: str, path: str) -> None:
+        assert http.request(method, path).status_code in (404, 405), (method, path)
 
-    send(20)  # the first requests of each kind may add their one series each
+    # One request of each kind first: each may add its one series (endpoint label, status).
+    for kind in unknown:
+        for method in methods:
+            send(method, kind())
+    for path in known:
+        for method in wrong_methods:
+            send(method, path)
     before = set(series(scrape(server)))
-    send(300)
+    for _ in range(300):
+        if rng.random() < 0.8:
+            send(rng.choice(methods), rng.choice(unknown)())
+        else:
+            send(rng.choice(wrong_methods), rng.choice(known))
     after = set(series(scrape(server)))
     assert after == before, {"new": sorted(after - before)[:10], "gone": sorted(before - after)[:10]}
     assert any(dict(labels).get("endpoint") == OTHER_ENDPOINT for _, labels in after)
