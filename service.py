@@ -10,6 +10,7 @@ bodies and status codes exactly; BentoML's own ``/readyz``, ``/livez`` and
 Routes:
 - ``POST /classify``: a raw image body or multipart field ``image``.
 - ``POST /classify_batch``: multipart, field ``images`` repeated.
+- any other path or method: JSON 404/405 (``rampart.routing.JSONRouteErrors``).
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from starlette.routing import Route
 from rampart import http, metrics
 from rampart.accesslog import log_request, server_timing
 from rampart.arrival import bound_inflight, stamp_arrivals
-from rampart.bentoml_fixes import cancel_request_timers
+from rampart.bentoml_fixes import bound_endpoint_labels, cancel_request_timers
 from rampart.buckets import buckets_for_resolution
 from rampart.config import get_settings
 from rampart.errors import InternalError, InvalidParameter, Overloaded, RampartError
+from rampart.headlimit import limit_request_heads
 from rampart.looplag import LoopLagMonitor
 from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
+from rampart.routing import JSONRouteErrors
 from runners.common import RunnerItem
 from runners.fallback import Fallback
 from runners.primary import Primary
@@ -42,6 +45,8 @@ logger = logging.getLogger("rampart.service")
 settings = get_settings()
 cancel_request_timers()  # BentoML 1.4.29 keeps every request alive for traffic.timeout: see the module
 stamp_arrivals()  # deadlines count from each request's first byte: see rampart.arrival
+bound_endpoint_labels()  # BentoML labels its traffic metrics with the raw path: see the module
+limit_request_heads()  # uvicorn's httptools protocol accepts request heads of any size: see the module
 
 
 def model_endpoint(tag: str, runner) -> ModelEndpoint:
@@ -85,11 +90,7 @@ async def classify(request: Request) -> JSONResponse:
         classifier = service().classifier
         classifier.check_capacity(deadline, high)  # sheds (429) before the body is read
         if http.is_multipart(request):
-            body = await http.read_body(request, settings.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES, deadline)
-            files = http.multipart_files(request, body, "image")
-            if len(files) > 1:
-                raise InvalidParameter("send one part named 'image'; use /classify_batch for several")
-            data = files[0][1]
+            ((_, data),) = await http.read_multipart(request, "image", 1, settings.max_body_bytes, deadline)
         else:
             data = await http.read_body(request, settings.max_body_bytes, deadline)
         result = await classifier.classify(data, top_k, deadline, high)
@@ -111,12 +112,9 @@ async def classify_batch(request: Request) -> JSONResponse:
         high = http.parse_priority(request)
         if not http.is_multipart(request):
             raise InvalidParameter("send multipart/form-data with one or more parts named 'images'")
-        limit = settings.max_batch_images * (settings.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
         service().classifier.check_capacity(deadline, high)
-        body = await http.read_body(request, limit, deadline)
-        files = http.multipart_files(request, body, "images")
-        if len(files) > settings.max_batch_images:
-            raise InvalidParameter(f"{len(files)} images sent; the limit is {settings.max_batch_images}")
+        files = await http.read_multipart(request, "images", settings.max_batch_images, settings.max_body_bytes,
+                                          deadline)
     except Exception as exc:
         return failed(request, request_id, high, started, exc)
     classifier = service().classifier
@@ -132,8 +130,20 @@ async def classify_batch(request: Request) -> JSONResponse:
             return {**entry, **InternalError("an unexpected error occurred").to_body(request_id)}
 
     results = await asyncio.gather(*(one(i, name, data) for i, (name, data) in enumerate(files)))
+    timings = batch_timings_ms(results, (time.perf_counter() - started) * 1000.0)
     finished(request, request_id, high, started, 200, "ok", images=len(results))
-    return JSONResponse({"request_id": request_id, "results": results}, headers={"X-Request-Id": request_id})
+    return JSONResponse({"request_id": request_id, "results": results},
+                        headers={"X-Request-Id": request_id, "Server-Timing": server_timing(timings)})
+
+
+def batch_timings_ms(results: list[dict], total_ms: float) -> dict[str, float]:
+    """A batch's stage timings (ms): per stage the longest over its answered images, and the whole request's total.
+
+    The images run concurrently, so the longest of each stage is the one that shaped the answer time.
+    """
+    answered = [entry["timings_ms"] for entry in results if "timings_ms" in entry]
+    stages = {stage: max(t[stage] for t in answered) for stage in ("decode", "queue", "inference")} if answered else {}
+    return {**stages, "total": round(total_ms, 1)}
 
 
 def failed(request: Request, request_id: str, high: bool, started: float, exc: Exception) -> JSONResponse:
@@ -143,6 +153,11 @@ def failed(request: Request, request_id: str, high: bool, started: float, exc: E
         exc = InternalError("an unexpected error occurred; see the server log")
     finished(request, request_id, high, started, exc.status, exc.code)
     return http.error_response(exc, request_id)
+
+
+def route_error_answered(request: Request, request_id: str, started: float, error: RampartError) -> None:
+    """Account and log a 404/405 answered by ``JSONRouteErrors``."""
+    finished(request, request_id, False, started, error.status, error.code)
 
 
 def finished(request: Request, request_id: str, high: bool, started: float, status: int, code: str,
@@ -273,3 +288,6 @@ class Rampart:
                     if counters:
                         lane.gate.meter.seed(counters["warmup_ms_per_image"])
         return self._ready
+
+
+Rampart.add_asgi_middleware(JSONRouteErrors, answered=route_error_answered)  # JSON 404/405: see rampart.routing

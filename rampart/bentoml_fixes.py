@@ -1,4 +1,4 @@
-"""A fix for a BentoML 1.4.29 defect that Rampart depends on not having.
+"""Fixes for BentoML 1.4.29 defects that Rampart depends on not having.
 
 ``bentoml._internal.server.http.traffic.TimeoutMiddleware`` schedules
 ``loop.call_later(timeout, ...)`` for every request and never cancels it. Each
@@ -12,15 +12,25 @@ after their deadline. ``cancel_request_timers()`` replaces the middleware's
 the request ends. It also runs the request in the caller's task instead of a new
 task plus a future per request: measured with ``bench/middleware_bench.py``,
 the middleware then costs about a third of the CPU it did (README, "Overload
-control"). It is idempotent and applied when ``service.py`` is imported (by the
-entry service and by each runner process).
+control"). 
+``instruments.RunnerTrafficMetricsMiddleware`` (and its legacy twin
+``HTTPTrafficMetricsMiddleware``) label the ``endpoint`` of
+``bentoml_service_request_total``, ``_request_duration_seconds`` and
+``_request_in_progress`` with the raw request path, 404s included: 300 requests to
+random paths added 6,000 lines to ``/metrics``, and any scanner could grow the
+series without bound. ``bound_endpoint_labels()`` makes them label the route's
+path template instead, and ``other`` for every path no route serves
+(``rampart.routing.endpoint_label``).
+
+Both are idempotent and applied when ``service.py`` is imported (by the entry
+service and by each runner process).
 """
 
 from __future__ import annotations
 
 import asyncio
 
-__all__ = ["cancel_request_timers"]
+__all__ = ["cancel_request_timers", "bound_endpoint_labels"]
 
 
 def cancel_request_timers() -> None:
@@ -57,3 +67,45 @@ def cancel_request_timers() -> None:
 
     __call__._rampart_fixed = True
     middleware.__call__ = __call__
+
+
+#: Scope key that carries the real path past the metrics middleware, which sees the label in ``path``.
+_REAL_PATH = "rampart.real_path"
+
+
+class _RestoreRealPath:
+    """ASGI wrapper: puts the real path back into the scope for the app behind the metrics middleware."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if _REAL_PATH in scope:
+            scope = {**scope, "path": scope[_REAL_PATH]}
+        await self.app(scope, receive, send)
+
+
+def bound_endpoint_labels() -> None:
+    """Patch BentoML's traffic-metrics middlewares to label ``endpoint`` from a fixed set.
+
+    The middleware reads the label from ``scope["path"]``, so it is called with a
+    copy of the scope whose ``path`` is ``endpoint_label(scope)``, and the app
+    behind it (wrapped once in ``_RestoreRealPath``) gets the real path back.
+    """
+    from bentoml._internal.server.http import instruments
+
+    from .routing import endpoint_label
+
+    for middleware in (instruments.RunnerTrafficMetricsMiddleware, instruments.HTTPTrafficMetricsMiddleware):
+        if getattr(middleware.__call__, "_rampart_fixed", False):
+            continue
+
+        async def __call__(self, scope, receive, send, _original=middleware.__call__) -> None:
+            if scope["type"] in ("http", "websocket"):
+                if not isinstance(self.app, _RestoreRealPath):
+                    self.app = _RestoreRealPath(self.app)
+                scope = {**scope, "path": endpoint_label(scope), _REAL_PATH: scope["path"]}
+            await _original(self, scope, receive, send)
+
+        __call__._rampart_fixed = True
+        middleware.__call__ = __call__

@@ -7,17 +7,22 @@
     │   ├── EmptyBody                 400 empty_body
     │   ├── UndecodableImage          400 undecodable_image
     │   ├── CorruptImage              400 corrupt_image
+    │   ├── NotFound                  404 not_found
+    │   ├── MethodNotAllowed          405 method_not_allowed
     │   ├── BodyTimeout               408 request_timeout
     │   ├── ClientDisconnected        499 client_disconnected (never seen by the client)
     │   ├── PayloadTooLarge           413 payload_too_large
     │   ├── ImageTooLarge             413 image_too_large
+    │   ├── TooManyParts              413 too_many_parts
+    │   ├── PartHeadersTooLarge       413 part_headers_too_large
     │   ├── UnsupportedFormat         415 unsupported_format
     │   ├── ImageTooSmall             422 image_too_small
     │   ├── AspectRatioOutOfRange     422 aspect_ratio_out_of_range
     │   ├── TooManyFrames             422 too_many_frames
     │   ├── DecodeCostTooHigh         422 decode_cost_too_high
     │   ├── DecodeTimeout             422 decode_timeout
-    │   └── InvalidParameter          422 invalid_parameter
+    │   ├── InvalidParameter          422 invalid_parameter
+    │   └── HeadersTooLarge           431 headers_too_large
     ├── Overloaded                    429 overloaded (with Retry-After)
     └── InternalError                 500 internal_error (Rampart's own fault)
 
@@ -36,10 +41,14 @@ __all__ = [
     "EmptyBody",
     "UndecodableImage",
     "CorruptImage",
+    "NotFound",
+    "MethodNotAllowed",
     "BodyTimeout",
     "ClientDisconnected",
     "PayloadTooLarge",
     "ImageTooLarge",
+    "TooManyParts",
+    "PartHeadersTooLarge",
     "UnsupportedFormat",
     "ImageTooSmall",
     "AspectRatioOutOfRange",
@@ -47,6 +56,7 @@ __all__ = [
     "DecodeCostTooHigh",
     "DecodeTimeout",
     "InvalidParameter",
+    "HeadersTooLarge",
     "Overloaded",
     "InternalError",
     "ERROR_CLASSES",
@@ -96,6 +106,22 @@ class CorruptImage(ImageError):
     code, status = "corrupt_image", 400
 
 
+class NotFound(RequestError):
+    """No route serves this path."""
+
+    code, status = "not_found", 404
+
+
+class MethodNotAllowed(RequestError):
+    """The path is served, but not for this HTTP method; ``allowed`` lists those that are."""
+
+    code, status = "method_not_allowed", 405
+
+    def __init__(self, message: str, allowed: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.allowed = allowed
+
+
 class BodyTimeout(RequestError):
     """The request body did not fully arrive before the request's deadline."""
 
@@ -118,6 +144,18 @@ class ImageTooLarge(ImageError):
     """The header declares more than ``max_pixels`` pixels (a decompression bomb)."""
 
     code, status = "image_too_large", 413
+
+
+class TooManyParts(RequestError):
+    """A multipart body has more parts than the route accepts (``rampart.http`` limits)."""
+
+    code, status = "too_many_parts", 413
+
+
+class PartHeadersTooLarge(RequestError):
+    """A multipart part has too many header lines, or one that is too long (``rampart.http`` limits)."""
+
+    code, status = "part_headers_too_large", 413
 
 
 class UnsupportedFormat(ImageError):
@@ -162,6 +200,12 @@ class InvalidParameter(RequestError):
     code, status = "invalid_parameter", 422
 
 
+class HeadersTooLarge(RequestError):
+    """The request line and headers together are longer than ``rampart.headlimit.MAX_HEAD_BYTES``."""
+
+    code, status = "headers_too_large", 431
+
+
 class Overloaded(RampartError):
     """No capacity now; retry after ``retry_after_s`` seconds."""
 
@@ -179,6 +223,8 @@ class InternalError(RampartError):
 
 
 ERROR_CLASSES: tuple[type[RampartError], ...] = (
+    NotFound,
+    MethodNotAllowed,
     BodyTimeout,
     ClientDisconnected,
     EmptyBody,
@@ -186,6 +232,8 @@ ERROR_CLASSES: tuple[type[RampartError], ...] = (
     CorruptImage,
     PayloadTooLarge,
     ImageTooLarge,
+    TooManyParts,
+    PartHeadersTooLarge,
     UnsupportedFormat,
     ImageTooSmall,
     AspectRatioOutOfRange,
@@ -193,6 +241,7 @@ ERROR_CLASSES: tuple[type[RampartError], ...] = (
     DecodeCostTooHigh,
     DecodeTimeout,
     InvalidParameter,
+    HeadersTooLarge,
     Overloaded,
     InternalError,
 )

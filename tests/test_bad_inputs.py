@@ -174,7 +174,7 @@ def test_multipart_with_huge_part_headers_is_refused_fast(http):
     body = (b'--XyZ\r\nContent-Disposition: form-data; name="image"' + b"; a=b" * 60000 + b"\r\n\r\n" + png
             + b"\r\n--XyZ--\r\n")
     response = http.post("/classify", content=body, headers={"Content-Type": "multipart/form-data; boundary=XyZ"})
-    assert response.status_code == 422 and response.json()["error"]["code"] == "invalid_parameter"
+    assert response.status_code == 413 and response.json()["error"]["code"] == "part_headers_too_large"
     assert http.post("/classify", content=encode(photo("chelsea"))).status_code == 200
 
 

@@ -1,0 +1,106 @@
+"""A bound on the HTTP request head (request line and headers), enforced before it is parsed.
+
+``bentoml serve`` 1.4.29 runs uvicorn with ``http="auto"``, which picks the
+httptools protocol. Neither has a limit on the head: llhttp hands each header line
+over in pieces as they arrive, httptools concatenates them until the line ends
+(quadratic copying on the event loop for a long line), and uvicorn keeps them all,
+so a 1 MB header line was accepted. uvicorn's h11 protocol does bound the head
+(``h11_max_incomplete_event_size``, 16 KiB), but it answers a plain-text 400, and
+BentoML has no setting to choose it. An ASGI-level check would only run after the
+whole head had been buffered and parsed.
+
+So ``HeadLimitedProtocol`` (uvicorn's httptools protocol plus a byte count)
+counts each request's head as it arrives, before the parser sees it, and above
+``MAX_HEAD_BYTES`` answers 431 ``headers_too_large`` in Rampart's JSON error shape
+and closes the connection. ``limit_request_heads()`` makes uvicorn use it for
+``http="auto"`` and ``"httptools"``; it is applied when ``service.py`` is imported,
+before BentoML's worker builds its uvicorn config.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from starlette.responses import JSONResponse
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from . import metrics
+from .accesslog import log_request
+from .errors import HeadersTooLarge
+
+__all__ = ["MAX_HEAD_BYTES", "HeadLimitedProtocol", "limit_request_heads"]
+
+#: Longest request head (request line, headers, their line ends) accepted, in bytes.
+#: AWS ALB allows 64 KiB in all; nginx 4 × 8 KiB lines by default, Node.js 16 KiB.
+MAX_HEAD_BYTES = 64 * 1024
+#: After a 431, how long the rest of the head is read and dropped before the connection
+#: is closed (nginx's lingering close): closing with unread data would make the kernel
+#: reset the connection, and the client could lose the 431 before reading it.
+LINGER_S = 2.0
+_END_OF_HEAD = b"\r\n\r\n"
+
+
+class HeadLimitedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol that refuses a request head over ``MAX_HEAD_BYTES`` with a JSON 431.
+
+    The count covers the bytes from the end of the previous request up to the
+    blank line that ends this head. A request pipelined behind another in the
+    same read is counted from the next read on, so a head is refused at the
+    latest ``MAX_HEAD_BYTES`` plus one read (at most 256 KiB) later.
+    """
+
+    max_head_bytes = MAX_HEAD_BYTES
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._in_head = True  # from the end of a message to the end of the next head
+        self._head_bytes = 0
+        self._head_tail = b""  # the head's last bytes so far, to find an end cut between two reads
+        self._refused = False  # a 431 was sent: what still arrives is dropped until the connection closes
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        if self._in_head:
+            window = self._head_tail + data
+            end = window.find(_END_OF_HEAD)
+            self._head_bytes += len(data) if end < 0 else max(end + len(_END_OF_HEAD) - len(self._head_tail), 0)
+            if self._head_bytes > self.max_head_bytes:
+                self._refuse()
+                return
+            self._head_tail = window[-(len(_END_OF_HEAD) - 1):]
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        super().on_headers_complete()
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._in_head, self._head_bytes, self._head_tail = True, 0, b""
+
+    def _refuse(self) -> None:
+        """Answer 431 with the JSON error body, count and log it, and close the connection after ``LINGER_S``."""
+        request_id = uuid.uuid4().hex
+        error = HeadersTooLarge(f"the request line and headers are over the limit of {self.max_head_bytes} bytes")
+        body = JSONResponse(error.to_body(request_id)).body
+        self.transport.write(
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nx-request-id: %s\r\nconnection: close\r\n\r\n%s"
+            % (len(body), request_id.encode(), body))
+        if self.transport.can_write_eof():
+            self.transport.write_eof()  # the client sees the answer end; its own close then ends the connection
+        self.loop.call_later(LINGER_S, self.transport.close)
+        self._refused = True
+        metrics.RESPONSES.labels(str(error.status), error.code).inc()
+        log_request(request_id, "", error.status, error.code, False, 0.0)
+
+
+def limit_request_heads() -> None:
+    """Make uvicorn's ``http="auto"`` and ``"httptools"`` use ``HeadLimitedProtocol`` (idempotent)."""
+    from uvicorn import config
+
+    target = f"{__name__}:{HeadLimitedProtocol.__name__}"
+    config.HTTP_PROTOCOLS["auto"] = target
+    config.HTTP_PROTOCOLS["httptools"] = target
+

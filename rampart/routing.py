@@ -1,0 +1,119 @@
+"""Bounded metric labels and JSON 404/405 (Starlette routing, no BentoML).
+
+Under ``bentoml serve`` the outer app is BentoML's Starlette app. Its router tries
+BentoML's own routes (``/livez``, ``/readyz``, ``/metrics``, static files, ...) and
+Rampart's app, mounted at ``/`` as a ``PassiveMount``. A request no route serves
+gets the outer router's plain-text 404/405, so an exception handler on Rampart's
+mounted app never runs, and BentoML's static-file mount answers its own plain-text
+404. Hence two pieces that work on the whole app:
+
+- ``endpoint_label`` names the route that serves a request by its path template
+  (``/classify``, ``/livez``, ``/static_content``), matched against the outer
+  app's routes (``scope["app"]``, set by Starlette before its middleware), or
+  ``OTHER_ENDPOINT`` for every path no route serves; metric labels then come
+  from a fixed set (``rampart.bentoml_fixes.bound_endpoint_labels``).
+- ``JSONRouteErrors``, an ASGI middleware (added with ``add_asgi_middleware``),
+  turns every 404 or 405 that is not already JSON into Rampart's JSON error
+  shape: 404 ``not_found``, 405 ``method_not_allowed`` (keeping ``Allow``).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+from starlette.datastructures import Headers
+from starlette.requests import Request
+from starlette.routing import BaseRoute, Match, Mount
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .errors import MethodNotAllowed, NotFound, RampartError
+from .http import error_response, request_id_of
+
+__all__ = ["OTHER_ENDPOINT", "route_template", "endpoint_label", "JSONRouteErrors"]
+
+#: The one ``endpoint`` label value shared by every path that no route serves.
+OTHER_ENDPOINT = "other"
+
+
+def route_template(scope: Scope) -> str | None:
+    """The path template of the route of ``scope["app"]`` that serves ``scope``'s path, else None.
+
+    Matched as the app's router does: the first full match, else the first route
+    that serves the path for other methods (a 405); mounts of apps with routes are
+    searched inside, and the template includes the mount's prefix.
+    """
+    routes = getattr(getattr(scope.get("app"), "router", None), "routes", None) or ()
+    return _template(routes, scope, "")[0]
+
+
+def _template(routes: Iterable[BaseRoute], scope: Scope, prefix: str) -> tuple[str | None, bool]:
+    """(template, full match) of the first route serving the path, preferring one that serves the method too."""
+    path_only = None
+    for route in routes:
+        match, child_scope = route.matches(scope)
+        if match == Match.NONE:
+            continue
+        template, full = prefix + getattr(route, "path", ""), match == Match.FULL
+        inner = route.routes if isinstance(route, Mount) else None  # a mounted app's own routes
+        if inner:
+            template, full = _template(inner, {**scope, **child_scope}, template)
+        if full:
+            return template, True
+        if path_only is None:
+            path_only = template
+    return path_only, False
+
+
+def endpoint_label(scope: Scope) -> str:
+    """The ``endpoint`` metric label of a request: its route's path template, else ``OTHER_ENDPOINT``."""
+    return route_template(scope) or OTHER_ENDPOINT
+
+
+#: Called with (request, request_id, started perf_counter, error) for each 404/405 rewritten.
+Answered = Callable[[Request, str, float, RampartError], None]
+
+
+class JSONRouteErrors:
+    """ASGI middleware: every 404 or 405 response that is not JSON is replaced by Rampart's JSON error.
+
+    The replaced response keeps its status and ``Allow`` header; its plain-text
+    body is dropped. JSON 404/405s (Rampart's own, BentoML's task endpoints) pass
+    unchanged. ``answered`` (optional) is called for each replaced response, to
+    count and log it.
+    """
+
+    def __init__(self, app: ASGIApp, answered: Answered | None = None) -> None:
+        self.app = app
+        self.answered = answered
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, replaced = time.perf_counter(), []
+
+        async def send_json_errors(message: Message) -> None:
+            if message["type"] == "http.response.start" and message["status"] in (404, 405):
+                headers = Headers(raw=message.get("headers", []))
+                if not headers.get("content-type", "").startswith("application/json"):
+                    replaced.append(self._error(scope, message["status"], headers))
+                    return
+            if not replaced:
+                await send(message)
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                request, request_id, error = replaced[0]
+                await error_response(error, request_id)(scope, receive, send)
+                if self.answered is not None:
+                    self.answered(request, request_id, started, error)
+
+        await self.app(scope, receive, send_json_errors)
+
+    @staticmethod
+    def _error(scope: Scope, status: int, headers: Headers) -> tuple[Request, str, RampartError]:
+        request = Request(scope)
+        method, path = scope["method"], scope["path"][:200]
+        if status == 404:
+            return request, request_id_of(request), NotFound(f"no route serves {method} {path}")
+        allowed = tuple(m.strip() for m in headers.get("allow", "").split(",") if m.strip())
+        error = MethodNotAllowed(f"{path} answers {', '.join(allowed) or 'other methods'}, not {method}", allowed)
+        return request, request_id_of(request), error
