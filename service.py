@@ -130,7 +130,8 @@ async def classify_batch(request: Request) -> JSONResponse:
             return {**entry, **InternalError("an unexpected error occurred").to_body(request_id)}
 
     results = await asyncio.gather(*(one(i, name, data) for i, (name, data) in enumerate(files)))
-    finished(request, request_id, high, started, 200, "ok", images=len(results))
+    warnings = sorted({warning for result in results for warning in result.get("input_warnings", ())})
+    finished(request, request_id, high, started, 200, "ok", images=len(results), input_warnings=warnings)
     return JSONResponse({"request_id": request_id, "results": results}, headers={"X-Request-Id": request_id})
 
 
