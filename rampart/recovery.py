@@ -39,8 +39,9 @@ warning                     damage and repair
 =========================== =====================================================
 
 What counts as *materially missing*, per format (these raise ``CorruptImage``):
-any JPEG entropy-coded data missing (a scan that ends before its last MCU, by
-the ``control`` decode), or any scan missing (a component never coded; in a
+JPEG entropy-coded data whose absence changes the decoded pixels (the ``control``
+decode, at the DCT scale Rampart decodes at: any cut of a sequential scan, whose
+every block has a DC term), or any scan missing (a component never coded; in a
 progressive JPEG, a coefficient of a component that never reaches its last bit,
 e.g. a file cut after its first scan); PNG IDAT data that does not yield every
 row, or a cut inside a pixel chunk; GIF LZW data that does not yield every pixel
