@@ -8,8 +8,8 @@ they combine across processes (``multiprocess_mode``). Outside ``bentoml serve``
 (unit tests, notebooks) they are ordinary in-process metrics.
 
 Label values are bounded: ``model`` is a model-store name, ``bucket`` one of three
-names, ``stage``, ``reason`` and ``warning`` come from fixed sets, ``class`` from the model's
-own label list (1000 ImageNet classes).
+names, ``stage``, ``reason`` and ``warning`` come from fixed sets, ``class`` from
+the model's own label list (1000 ImageNet classes).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from . import recovery
 
 __all__ = [
     "QUEUE_DEPTH", "INFLIGHT_BATCHES", "ADMITTED", "REJECTED", "RESPONSES", "TTL_DROPPED", "FALLBACK", "DEGRADED",
-    "BREAKER_STATE", "STAGE_SECONDS", "BATCH_SIZE", "INPUT_MEGAPIXELS", "INPUT_WARNINGS", "TOP1_CONFIDENCE", "TOP1_CLASS",
+    "BREAKER_STATE", "STAGE_SECONDS", "BATCH_SIZE", "INPUT_MEGAPIXELS", "TOP1_CONFIDENCE", "TOP1_CLASS",
     "GPU_MEMORY_USED", "GPU_MEMORY_TOTAL", "PROCESS_RSS", "LOOP_LAG", "update_process_rss", "init_api_series",
-    "init_runner_series",
+    "init_runner_series", "INPUT_WARNINGS",
 ]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0)

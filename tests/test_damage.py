@@ -10,6 +10,7 @@ through ``/classify`` once each.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import io
 import json
@@ -21,12 +22,16 @@ from typing import Callable
 import httpx
 import pytest
 from PIL import Image
+from prometheus_client import REGISTRY
 
 from rampart import errors, metrics, recovery
+from rampart.config import Settings
+from rampart.deadline import Deadline
 from rampart.decoding import decode_image
 from tests.conftest import ROOT, encode, photo
 from tests.test_decoding import LIMITS, png_chunk
 from tests.test_observability import scrape, total
+from tests.test_pipeline import classifier
 
 CHELSEA = photo("chelsea")  # 451×300: BMP rows of 1353 bytes + 3 bytes of padding
 
@@ -213,6 +218,20 @@ def test_every_warning_is_documented_and_counted():
     metrics.init_api_series()
     counted = {sample.labels["warning"] for family in metrics.INPUT_WARNINGS.collect() for sample in family.samples}
     assert counted == set(recovery.INPUT_WARNINGS)
+
+
+def test_pipeline_answers_carry_the_warnings_and_count_them():
+    """With stand-in models: the answer says what was repaired (every answer has the field) and the metric counts it."""
+    pipeline = classifier(Settings())
+
+    def counted() -> float:
+        return REGISTRY.get_sample_value("rampart_input_warnings_total", {"warning": "jpeg_missing_eoi"}) or 0.0
+
+    before = counted()
+    repaired = asyncio.run(pipeline.classify(original("jpeg")[:-2], 3, Deadline(10_000)))
+    whole = asyncio.run(pipeline.classify(original("png"), 3, Deadline(10_000)))
+    assert repaired["input_warnings"] == ["jpeg_missing_eoi"] and whole["input_warnings"] == []
+    assert counted() == before + 1
 
 
 def top1(answer: dict) -> int:
