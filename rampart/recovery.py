@@ -12,7 +12,7 @@ rebuilt bytes that ``rampart.decoding`` decodes again, as strictly as the first 
 =========================== =====================================================
 warning                     damage and repair
 =========================== =====================================================
-``jpeg_missing_eoi``        the JPEG ends inside its last scan with no ``FF D9``
+``jpeg_missing_eoi``        the JPEG has no ``FF D9`` after its last scan
                             (absent, zeroed, or replaced by other bytes): the
                             marker is appended (after dropping a marker segment
                             the file ends inside). Only when every scan the frame
