@@ -19,8 +19,8 @@ warning                     damage and repair
                             needs is present (``_jpeg_scans_complete``) and the
                             last scan's data is whole: it ended at a marker, or
                             the decoder proves it, ``Repair.control`` putting
-                            filler before the EOI; the two decodes must give
-                            identical pixels.
+                            filler (and the next restart marker) before the
+                            EOI; the two decodes must give identical pixels.
 ``png_bad_ancillary_crc``   an ancillary chunk (lower-case first letter: text,
                             gamma, ICC, EXIF...) fails its CRC-32: it is dropped,
                             as libpng does.
@@ -115,6 +115,7 @@ _EOI = b"\xff\xd9"
 _JPEG_FILLER = bytes(range(0xFE, 0x00, -1))
 #: A marker inside entropy-coded data: 0xFF not followed by a stuffed 0x00 or RST0-7.
 _ECS_MARKER = re.compile(rb"\xff(?=[^\x00\xd0-\xd7])")
+_RESTART_MARKER = re.compile(rb"\xff[\xd0-\xd7]")
 _SOF_MARKERS = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}  # C4 DHT, C8 JPG, CC DAC
 _PROGRESSIVE_SOF = frozenset({0xC2, 0xC6, 0xCA, 0xCE})
 
@@ -128,6 +129,7 @@ class _JpegLayout:
     scans: list[tuple[tuple[int, ...], int, int, int]] = field(default_factory=list)  # (components, Ss, Se, Al)
     whole_up_to: int = 0  # bytes before the first cut marker segment, or the whole file
     ends_in_scan: bool = False  # the data stops inside a scan's entropy-coded data
+    last_scan_data: int = 0  # where the last scan's entropy-coded data starts
 
 
 def _repair_jpeg(data: bytes) -> Repair | None:
@@ -143,7 +145,22 @@ def _repair_jpeg(data: bytes) -> Repair | None:
     if not layout.ends_in_scan:  # the last scan ended at a marker: its data is whole
         return Repair(body + _EOI, ("jpeg_missing_eoi",))
     body = body.rstrip(b"\xff")  # a lone 0xFF at the end is half a marker
-    return Repair(body + _EOI, ("jpeg_missing_eoi",), control=body + _JPEG_FILLER + _EOI)
+    return Repair(body + _EOI, ("jpeg_missing_eoi",), control=body + _jpeg_control_tail(body, layout) + _EOI)
+
+
+def _jpeg_control_tail(body: bytes, layout: _JpegLayout) -> bytes:
+    """What stands in for the missing rest of the last scan in the control decode.
+
+    Filler, the restart marker the decoder would expect next, and filler again. Where
+    the scan is whole, the decoder skips all of it (bytes before a marker, and a
+    restart marker outside a scan, are ignored). Where it is cut inside a restart
+    interval, or anywhere without restart markers, the first filler is decoded as
+    the missing data; where it is cut at the end of an interval, the decoder skips
+    the first filler looking for the marker, finds the one it expects and decodes the
+    second filler as the next interval. Either way the pixels change.
+    """
+    restarts = len(_RESTART_MARKER.findall(body, layout.last_scan_data))
+    return _JPEG_FILLER + bytes((0xFF, 0xD0 + restarts % 8)) + _JPEG_FILLER
 
 
 def _jpeg_layout(data: bytes) -> _JpegLayout | None:
@@ -185,6 +202,7 @@ def _jpeg_layout(data: bytes) -> _JpegLayout | None:
             components = tuple(segment[1 + 2 * i] for i in range(count))
             ss, se, approximation = segment[1 + 2 * count : 4 + 2 * count]
             layout.scans.append((components, ss, se, approximation & 0x0F))
+            layout.last_scan_data = pos
             found = _ECS_MARKER.search(data, pos)
             if found is None:
                 layout.whole_up_to, layout.ends_in_scan = size, True

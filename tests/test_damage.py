@@ -193,6 +193,17 @@ def test_a_jpeg_cut_inside_its_scan_is_refused_although_an_appended_eoi_would_de
             decode_image(truncated, LIMITS)
 
 
+def test_jpeg_with_restart_markers_missing_eoi_is_repaired_and_cut_at_a_marker_is_refused():
+    data = encode(CHELSEA, "JPEG", restart_marker_rows=1)
+    whole = decode_image(data, LIMITS).image.tobytes()
+    repaired = decode_image(data[:-2], LIMITS)
+    assert repaired.warnings == ("jpeg_missing_eoi",) and repaired.image.tobytes() == whole
+    last_restart = data.rindex(b"\xff\xd3")
+    for end in (last_restart, last_restart + 2):  # before or after the marker: the later rows are missing
+        with pytest.raises(errors.CorruptImage, match="pixel data is missing"):
+            decode_image(data[:end], LIMITS)
+
+
 def test_progressive_jpeg_missing_any_later_scan_is_refused():
     data = original("progressive_jpeg")
     scans = [m.start() for m in re.finditer(b"\xff\xda", data)]
