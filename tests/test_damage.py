@@ -16,6 +16,8 @@ import io
 import json
 import re
 import struct
+import subprocess
+import sys
 import zlib
 from typing import Callable
 
@@ -283,3 +285,16 @@ def test_server_refuses_missing_pixel_data_with_corrupt_image(server):
         for name, data in TRUNCATED:
             response = client.post("/classify", content=data)
             assert response.status_code == 400 and response.json()["error"]["code"] == "corrupt_image", name
+
+
+def test_sdk_and_cli_show_the_repair(server, tmp_path):
+    from rampart_client import Client
+
+    damaged = original("jpeg")[:-2]
+    with Client(server.url) as client:
+        assert client.classify(damaged, deadline_ms=30_000).input_warnings == ["jpeg_missing_eoi"]
+    path = tmp_path / "no-eoi.jpg"
+    path.write_bytes(damaged)
+    out = subprocess.run([sys.executable, "-m", "rampart_client", "classify", str(path), "--url", server.url,
+                          "--deadline-ms", "30000"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "(repaired: jpeg_missing_eoi)" in out.stdout, out
