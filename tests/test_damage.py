@@ -18,6 +18,7 @@ import re
 import struct
 import subprocess
 import sys
+import time
 import zlib
 from typing import Callable
 
@@ -251,33 +252,46 @@ def top1(answer: dict) -> int:
     return answer["labels"][0]["index"]
 
 
+def primary_answer(client: httpx.Client, data: bytes, request_id: str, answers: list[dict]) -> dict:
+    """The primary's 200 answer for ``data``, retried (at most 10 times) while an earlier test's load keeps
+    the primary's breaker open, so that damaged and undamaged photos are compared on the same model.
+    Every answer received is appended to ``answers``."""
+    for _ in range(10):
+        response = client.post("/classify", content=data, headers={"X-Deadline-Ms": "30000", "X-Request-Id": request_id})
+        assert response.status_code == 200, (request_id, response.text)
+        answers.append(response.json())
+        if not response.json()["degraded"]:
+            return response.json()
+        time.sleep(1.0)
+    pytest.fail(f"the primary did not answer {request_id} in 10 tries: {response.json()}")
+
+
 def test_server_classifies_every_benign_fault_like_the_undamaged_photo(server):
-    """200 with the undamaged photo's top-1; warnings in the answer, the metric and one access-log line."""
-    headers = {"X-Deadline-Ms": "30000"}  # the primary answers every one, however loaded the machine is
+    """200 with the undamaged photo's top-1; warnings in the answer, the metric and one access-log line each."""
     before = scrape(server)
+    answers: list[dict] = []
     with httpx.Client(base_url=server.url, timeout=60) as client:
         expected_top1 = {}
         for name in ORIGINALS:
-            response = client.post("/classify", content=original(name), headers=headers)
-            assert response.status_code == 200 and response.json()["input_warnings"] == []
-            expected_top1[name] = top1(response.json())
+            answer = primary_answer(client, original(name), f"undamaged-{name}", answers)
+            assert answer["input_warnings"] == []
+            expected_top1[name] = top1(answer)
         for index, (name, fault, damage, warnings) in enumerate(BENIGN):
-            response = client.post("/classify", content=damage(original(name)),
-                                   headers={**headers, "X-Request-Id": f"benign-damage-{index}"})
-            assert response.status_code == 200, (name, fault, response.text)
-            answer = response.json()
-            assert top1(answer) == expected_top1[name] and not answer["degraded"], (name, fault, answer)
+            answer = primary_answer(client, damage(original(name)), f"benign-damage-{index}", answers)
+            assert top1(answer) == expected_top1[name], (name, fault, answer)
             assert answer["input_warnings"] == list(warnings), (name, fault)
     after = scrape(server)
     for warning in recovery.INPUT_WARNINGS:
-        sent = sum(warning in warnings for _, _, _, warnings in BENIGN)
+        received = sum(warning in answer["input_warnings"] for answer in answers)
         grew = total(after, "rampart_input_warnings_total", warning=warning) - total(
             before, "rampart_input_warnings_total", warning=warning)
-        assert grew == sent, (warning, grew, sent)
-    log = server.log_path.read_text(errors="replace").splitlines()
+        assert grew == received, (warning, grew, received)
+    log = [json.loads(line) for line in server.log_path.read_text(errors="replace").splitlines()
+           if '"benign-damage-' in line]
     for index, (_, _, _, warnings) in enumerate(BENIGN):
-        (line,) = [line for line in log if f'"benign-damage-{index}"' in line]
-        assert json.loads(line)["input_warnings"] == list(warnings)
+        sent = sum(answer["request_id"] == f"benign-damage-{index}" for answer in answers)
+        lines = [line for line in log if line["request_id"] == f"benign-damage-{index}"]
+        assert len(lines) == sent and all(line["input_warnings"] == list(warnings) for line in lines)
 
 
 def test_server_refuses_missing_pixel_data_with_corrupt_image(server):
