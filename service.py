@@ -131,7 +131,8 @@ async def classify_batch(request: Request) -> JSONResponse:
 
     results = await asyncio.gather(*(one(i, name, data) for i, (name, data) in enumerate(files)))
     timings = batch_timings_ms(results, (time.perf_counter() - started) * 1000.0)
-    finished(request, request_id, high, started, 200, "ok", images=len(results))
+    warnings = sorted({warning for result in results for warning in result.get("input_warnings", ())})
+    finished(request, request_id, high, started, 200, "ok", images=len(results), input_warnings=warnings)
     return JSONResponse({"request_id": request_id, "results": results},
                         headers={"X-Request-Id": request_id, "Server-Timing": server_timing(timings)})
 

@@ -4,8 +4,10 @@ Logger ``rampart.access`` writes each line as a bare JSON object to stderr (its 
 handler, not propagated to BentoML's prefixed format), so a log shipper can parse
 every line as JSON. Fields: ``ts`` (Unix seconds), ``request_id``, ``path``,
 ``status``, ``code`` (``ok`` or the error code), ``priority``, ``bucket``,
-``model``, ``degraded_reason``, ``timings_ms`` (decode, queue, inference, total)
-and ``duration_ms`` (the whole handler), plus ``images`` for ``/classify_batch``.
+``model``, ``degraded_reason``, ``timings_ms`` (decode, queue, inference, total),
+``input_warnings`` (benign damage repaired in the upload; for ``/classify_batch``
+those of all its images) and ``duration_ms`` (the whole handler), plus ``images``
+for ``/classify_batch``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def log_request(request_id: str, path: str, status: int, code: str, high: bool, 
         "model": (result.get("model") or {}).get("name"),
         "degraded_reason": result.get("degraded_reason"),
         "timings_ms": result.get("timings_ms"),
+        "input_warnings": result.get("input_warnings", []),
         "duration_ms": round(duration_ms, 3),
         **extra,
     }

@@ -16,7 +16,12 @@ time and memory:
 4. ``load()`` forces the decode here, so truncated or corrupt data fails in this
    function and nowhere later (``LOAD_TRUNCATED_IMAGES`` stays off);
 5. EXIF orientation is applied (a malformed EXIF block is logged and ignored),
-   and every mode becomes RGB: see ``to_rgb``.
+   and every mode becomes RGB: see ``to_rgb``;
+6. an upload Pillow refuses gets one second chance: ``rampart.recovery.repair``
+   rebuilds benign container damage (a missing JPEG EOI, a bad CRC on a PNG
+   ancillary chunk, a wrong WebP RIFF size...) and the rebuilt bytes go through
+   steps 2-5 again, as strictly. The decoding policy and what counts as pixel data
+   materially missing, per format, are in that module's docstring and the README.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 import io
 import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from PIL import Image, ImageCms, ImageOps
@@ -42,6 +47,7 @@ from .errors import (
     UndecodableImage,
     UnsupportedFormat,
 )
+from .recovery import repair
 
 __all__ = ["DecodeLimits", "DecodedImage", "SUPPORTED_FORMATS", "sniff_format", "decode_image", "to_rgb"]
 
@@ -96,11 +102,14 @@ class DecodedImage:
 
     ``declared_size`` is (width, height) from the file header, before draft
     scaling and orientation; ``image.size`` is what was actually decoded.
+    ``warnings`` names the benign damage repaired to decode it (``rampart.recovery``,
+    e.g. ``("jpeg_missing_eoi",)``); empty for an undamaged file.
     """
 
     image: Image.Image
     format: str
     declared_size: tuple[int, int]
+    warnings: tuple[str, ...] = ()
 
 
 def sniff_format(data: bytes) -> str:
@@ -127,7 +136,8 @@ def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
     Raises only ``rampart.errors.ImageError`` subclasses: ``EmptyBody``,
     ``PayloadTooLarge``, ``UnsupportedFormat``, ``UndecodableImage``,
     ``ImageTooLarge``, ``ImageTooSmall``, ``AspectRatioOutOfRange``,
-    ``TooManyFrames``, ``DecodeCostTooHigh`` or ``CorruptImage``.
+    ``TooManyFrames``, ``DecodeCostTooHigh`` or ``CorruptImage``. An upload decoded after a repair of
+    benign damage carries its ``warnings``.
     """
     if not data:
         raise EmptyBody("the request carried no image bytes")
@@ -136,6 +146,29 @@ def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
     fmt = sniff_format(data)
     check_decode_cost(data, fmt, limits.max_frames, limits.max_jpeg_scans, limits.max_chunks)
     try:
+        return _decode(data, fmt, limits)
+    except (UndecodableImage, CorruptImage) as refused:
+        fixed = repair(data, fmt)
+        if fixed is None:
+            raise
+        try:
+            decoded = _decode(fixed.data, fmt, limits)
+            control = None if fixed.control is None else _decode(fixed.control, fmt, limits)
+        except (UndecodableImage, CorruptImage):
+            raise refused from None
+    if control is not None and not _same_pixels(decoded, control):
+        raise CorruptImage(f"the {fmt} data ends inside its last scan, before every block is coded: "
+                           "pixel data is missing")
+    return replace(decoded, warnings=fixed.warnings + decoded.warnings)
+
+
+def _same_pixels(first: DecodedImage, second: DecodedImage) -> bool:
+    return first.image.size == second.image.size and first.image.tobytes() == second.image.tobytes()
+
+
+def _decode(data: bytes, fmt: str, limits: DecodeLimits) -> DecodedImage:
+    """Decode ``data`` (sniffed as ``fmt``) strictly; ``decode_image`` without the repair."""
+    try:
         image = Image.open(io.BytesIO(data), formats=[fmt])
     except Image.DecompressionBombError as exc:
         raise ImageTooLarge(f"the image declares too many pixels: {exc}") from exc
@@ -143,7 +176,7 @@ def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
         raise UndecodableImage(f"the bytes look like {fmt} but cannot be read: {exc}") from exc
     declared = image.size
     _check_declared_size(declared, limits)
-    _check_frames(image, limits.max_frames)
+    frame_warnings = _check_frames(image, limits.max_frames)
     try:
         if fmt == "JPEG":
             image.draft(None, (limits.min_decoded_side, limits.min_decoded_side))
@@ -154,7 +187,7 @@ def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
         raise
     except Exception as exc:  # every decoder failure is the input's fault: 4xx, never 5xx
         raise CorruptImage(f"the {fmt} data is truncated or corrupt: {type(exc).__name__}: {exc}") from exc
-    return DecodedImage(image=rgb, format=fmt, declared_size=declared)
+    return DecodedImage(image=rgb, format=fmt, declared_size=declared, warnings=frame_warnings)
 
 
 def _check_declared_size(size: tuple[int, int], limits: DecodeLimits) -> None:
@@ -171,7 +204,7 @@ def _check_declared_size(size: tuple[int, int], limits: DecodeLimits) -> None:
         )
 
 
-def _check_frames(image: Image.Image, max_frames: int) -> None:
+def _check_frames(image: Image.Image, max_frames: int) -> tuple[str, ...]:
     """Policy: the first frame is classified; files with more than ``max_frames`` are refused.
 
     Only frames up to index ``max_frames`` are ever inspected, and none is decoded:
@@ -180,21 +213,34 @@ def _check_frames(image: Image.Image, max_frames: int) -> None:
     size (seconds for a 7000×7000 animation), so GIF frames are skipped with
     ``_seek(n, update_image=False)``, the header walk ``n_frames`` itself uses
     (Pillow 13.0, pinned).
+
+    A frame header that cannot be read (the file is cut, or damaged, after the
+    first frame) ends the walk like the end of the file: the frames after it are
+    not there to count or decode. Returns ``("later_frames_unreadable",)`` then,
+    else ``()``. Raises ``TooManyFrames``, or ``CorruptImage`` when the first frame
+    cannot be sought back to.
     """
-    if not getattr(image, "is_animated", False):
-        return
+    unreadable: tuple[str, ...] = ()
     try:
+        if not getattr(image, "is_animated", False):  # a GIF walks its second frame's header here
+            return ()
         if image.format == "GIF":
             for frame in range(1, max_frames + 1):
                 image._seek(frame, False)
         else:
             image.seek(max_frames)
     except EOFError:
-        image.seek(0)
-        return
+        pass
     except Exception as exc:
-        raise CorruptImage(f"the frame table cannot be read: {exc}") from exc
-    raise TooManyFrames(f"the image has more than {max_frames} frames; the limit is {max_frames}")
+        logger.debug("frame table unreadable after the first frame: %s: %s", type(exc).__name__, exc)
+        unreadable = ("later_frames_unreadable",)
+    else:
+        raise TooManyFrames(f"the image has more than {max_frames} frames; the limit is {max_frames}")
+    try:
+        image.seek(0)
+    except Exception as exc:
+        raise CorruptImage(f"the first frame cannot be read: {type(exc).__name__}: {exc}") from exc
+    return unreadable
 
 
 def _upright(image: Image.Image) -> Image.Image:

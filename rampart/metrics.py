@@ -8,8 +8,8 @@ they combine across processes (``multiprocess_mode``). Outside ``bentoml serve``
 (unit tests, notebooks) they are ordinary in-process metrics.
 
 Label values are bounded: ``model`` is a model-store name, ``bucket`` one of three
-names, ``stage`` and ``reason`` come from fixed sets, ``class`` from the model's
-own label list (1000 ImageNet classes).
+names, ``stage``, ``reason`` and ``warning`` come from fixed sets, ``class`` from
+the model's own label list (1000 ImageNet classes).
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ import time
 import psutil
 from prometheus_client import Counter, Gauge, Histogram
 
+from . import recovery
+
 __all__ = [
     "QUEUE_DEPTH", "INFLIGHT_BATCHES", "ADMITTED", "REJECTED", "RESPONSES", "TTL_DROPPED", "FALLBACK", "DEGRADED",
     "BREAKER_STATE", "STAGE_SECONDS", "BATCH_SIZE", "INPUT_MEGAPIXELS", "TOP1_CONFIDENCE", "TOP1_CLASS",
     "GPU_MEMORY_USED", "GPU_MEMORY_TOTAL", "PROCESS_RSS", "LOOP_LAG", "update_process_rss", "init_api_series",
-    "init_runner_series",
+    "init_runner_series", "INPUT_WARNINGS",
 ]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0)
@@ -68,6 +70,11 @@ INPUT_MEGAPIXELS = Histogram(
     "rampart_input_megapixels", "Declared resolution of decoded uploads, in megapixels.",
     buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 33, 50),
 )
+INPUT_WARNINGS = Counter(
+    "rampart_input_warnings_total",
+    "Answers for uploads decoded after repairing benign damage, by input warning (rampart/recovery.py).",
+    ["warning"],
+)
 TOP1_CONFIDENCE = Histogram(
     "rampart_top1_confidence", "Score of the top-1 class of each model answer.", ["model"],
     buckets=(0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99),
@@ -100,6 +107,8 @@ def init_api_series() -> None:
         FALLBACK.labels(reason)
     for reason in DEGRADED_REASONS:
         DEGRADED.labels(reason)
+    for warning in recovery.INPUT_WARNINGS:
+        INPUT_WARNINGS.labels(warning)
     BREAKER_STATE.labels("primary").set(0)
 
 

@@ -357,7 +357,7 @@ class Classifier:
         return result
 
     def _observe(self, result: dict) -> None:
-        """Metrics of one answer: stage durations, degraded reason, top-1 class and confidence."""
+        """Metrics of one answer: stage durations, degraded reason, top-1 class and confidence, input warnings."""
         name = (result["model"] or {}).get("name")
         role = {self.primary.endpoint.name: "primary", self.fallback.endpoint.name: "fallback"}.get(name, "none")
         if result["degraded_reason"] == "cached_result":
@@ -366,6 +366,8 @@ class Classifier:
             metrics.STAGE_SECONDS.labels(role, stage).observe(ms / 1000.0)
         if result["degraded"]:
             metrics.DEGRADED.labels(result["degraded_reason"]).inc()
+        for warning in result["input_warnings"]:
+            metrics.INPUT_WARNINGS.labels(warning).inc()
         if result["labels"] and role in ("primary", "fallback"):
             metrics.TOP1_CONFIDENCE.labels(role).observe(result["labels"][0]["score"])
             metrics.TOP1_CLASS.labels(role, result["labels"][0]["label"]).inc()
@@ -398,10 +400,10 @@ class Classifier:
         logger.warning("no model answered: %s, then %s", first.reason, second.reason)
         cached = self.cache.get(prepared.key)
         if cached is not None:
-            return self._cached_answer(cached, top_k, decode_ms, start)
+            return self._cached_answer(cached, top_k, decode_ms, start, prepared.warnings)
         if first.shed and second.shed:
             raise Overloaded("both models are at capacity; retry later", self.retry_after_s())
-        return self._static_answer("no_model_available", decode_ms, start)
+        return self._static_answer("no_model_available", decode_ms, start, prepared.warnings)
 
     async def _fallback_attempt(self, prepared: Prepared, ticket: Ticket, deadline: Deadline) -> Attempt:
         return await self.fallback.attempt(ticket, prepared.inputs["fallback"], deadline, 0.0)
@@ -422,6 +424,7 @@ class Classifier:
             "bucket": bucket.name,
             "timings_ms": _timings(decode_ms, max(total_ms - decode_ms - answer.inference_ms, 0.0),
                                    answer.inference_ms, total_ms),
+            "input_warnings": list(prepared.warnings),
         }
 
     def state(self) -> dict:
@@ -435,7 +438,8 @@ class Classifier:
             "decode_workers": self.pool.stats(),
         }
 
-    def _cached_answer(self, cached: CachedAnswer, top_k: int, decode_ms: float, start: float) -> dict:
+    def _cached_answer(self, cached: CachedAnswer, top_k: int, decode_ms: float, start: float,
+                       warnings: tuple[str, ...]) -> dict:
         endpoint = (self.primary if cached.role == "primary" else self.fallback).endpoint
         return {
             "labels": label_entries(cached.indices[:top_k], cached.scores[:top_k], endpoint.labels),
@@ -445,9 +449,10 @@ class Classifier:
             "needs_review": False,
             "bucket": cached.bucket,
             "timings_ms": _timings(decode_ms, 0.0, 0.0, _ms_since(start)),
+            "input_warnings": list(warnings),
         }
 
-    def _static_answer(self, reason: str, decode_ms: float, start: float) -> dict:
+    def _static_answer(self, reason: str, decode_ms: float, start: float, warnings: tuple[str, ...] = ()) -> dict:
         return {
             "labels": [],
             "model": None,
@@ -456,6 +461,7 @@ class Classifier:
             "needs_review": True,
             "bucket": None,
             "timings_ms": _timings(decode_ms, 0.0, 0.0, _ms_since(start)),
+            "input_warnings": list(warnings),
         }
 
 

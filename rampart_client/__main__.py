@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
                 failed += 1
                 continue
             note = f" (degraded: {prediction.degraded_reason})" if prediction.degraded else ""
+            if prediction.input_warnings:
+                note += f" (repaired: {', '.join(prediction.input_warnings)})"
             model = prediction.model.name if prediction.model else "none"
             print(f"{path}: {model}{note}")
             for label in prediction.labels:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 __all__ = ["Label", "ModelInfo", "Timings", "Prediction"]
 
@@ -37,6 +37,8 @@ class Prediction(BaseModel):
     ``labels`` are sorted by score, highest first. ``degraded`` is true when the
     fallback (or the static default) answered, and ``degraded_reason`` says why;
     ``needs_review`` is true when no model could answer (``labels`` is then empty).
+    ``input_warnings`` names benign damage the server repaired to decode the upload
+    (e.g. ``["jpeg_missing_eoi"]``); empty for an undamaged file.
     """
 
     request_id: str
@@ -47,6 +49,7 @@ class Prediction(BaseModel):
     needs_review: bool = False
     bucket: str | None = None
     timings_ms: Timings
+    input_warnings: list[str] = Field(default_factory=list)
 
     @property
     def top(self) -> Label | None:
