@@ -109,7 +109,19 @@ class Attempt:
 
 
 class ModelLane:
-    """One model as the pipeline drives it: endpoint, admission gate, optional circuit breaker."""
+    """One model as the pipeline drives it: endpoint, admission gate, optional circuit breaker.
+
+    For the breaker, a timed-out call is a failure only when the runner has been
+    silent (no response of any kind, see ``_responded``) since the call was
+    dispatched *and* for longer than ``STALL_BATCHES`` full batches at the measured
+    throughput (``stall_after_s``): long enough that a busy runner, even one starved
+    of CPU by an overloaded host, would have answered something.
+    """
+
+    #: Silence, in full batches at the measured speed, after which a timeout means "hung", not "busy".
+    #: A busy runner answers a batch about every batch time; 4 leaves room for CPU starvation on a
+    #: saturated host (issue 9: with the call's own wait as the limit, 256 connections opened the breaker).
+    STALL_BATCHES = 4
 
     def __init__(self, role: str, endpoint: ModelEndpoint, gate: AdmissionGate, breaker: CircuitBreaker | None) -> None:
         self.role = role
@@ -117,6 +129,8 @@ class ModelLane:
         self.gate = gate
         self.breaker = breaker
         self.responses = 0  # runner responses ever (answers, late answers, TTL drops): the model's progress
+        self.last_response = time.monotonic()
+        self.failures = {"error": 0, "stalled": 0}  # what the breaker was told, by kind
         gate.on_change = self._publish_queue
 
     def _publish_queue(self, gate: AdmissionGate) -> None:
@@ -176,8 +190,9 @@ class ModelLane:
             # A late call is a failure for the breaker only if the runner sent nothing back
             # at all while it waited, not even a late answer or a TTL drop for someone else:
             # a hung model. A busy model keeps answering, just not in time for everyone.
-            stalled = dispatched and self.responses == progress_at_dispatch
-            self._record(False if stalled else None)
+            stalled = (dispatched and self.responses == progress_at_dispatch
+                       and time.monotonic() - self.last_response > self.stall_after_s())
+            self._record(False if stalled else None, "stalled")
             return Attempt(None, f"{self.role}_timeout", shed=not dispatched)
 
         try:
@@ -189,7 +204,7 @@ class ModelLane:
         except asyncio.TimeoutError:
             return timed_out()
         except Exception as exc:  # any runner failure degrades; it never becomes a 5xx
-            self._record(False)
+            self._record(False, "error")
             logger.warning("%s failed: %s: %s", self.endpoint.name, type(exc).__name__, exc)
             return Attempt(None, f"{self.role}_error")
         if answer.expired:
@@ -202,15 +217,29 @@ class ModelLane:
         """Count a runner response (an answer or a TTL drop, in time or not); errors are not progress."""
         if not call.cancelled() and call.exception() is None:
             self.responses += 1
+            self.last_response = time.monotonic()
 
-    def _record(self, ok: bool | None) -> None:
-        """Tell the breaker: ``ok`` for a call that reached the model, ``None`` for one that did not."""
+    def stall_after_s(self) -> float:
+        """Seconds of runner silence after which a timeout counts as a failure: ``STALL_BATCHES`` full
+        batches at the measured time per image (0 before any measurement)."""
+        ms = self.gate.meter.ms_per_image or 0.0
+        return self.STALL_BATCHES * self.gate.max_batch_size * ms / 1000.0
+
+    def _record(self, ok: bool | None, kind: str = "") -> None:
+        """Tell the breaker: ``ok`` for a call that reached the model, ``None`` for one that did not;
+        a failure's ``kind`` (``error`` or ``stalled``) is counted and logged when the breaker opens."""
         if self.breaker is None:
             return
         if ok is None:
             self.breaker.cancel()
         else:
+            opened = self.breaker.times_opened
+            if not ok:
+                self.failures[kind] = self.failures.get(kind, 0) + 1
             self.breaker.record(ok)
+            if self.breaker.times_opened > opened:
+                logger.warning("%s circuit breaker opened; failures so far: %s; last runner response %.0f ms ago",
+                               self.role, self.failures, (time.monotonic() - self.last_response) * 1000)
         metrics.BREAKER_STATE.labels(self.role).set(STATE_VALUES[self.breaker.state])
 
     def state(self) -> dict:
@@ -227,6 +256,7 @@ class ModelLane:
             "retry_after_cap_s": gate.retry_after_cap_s,
             "breaker": None if self.breaker is None else self.breaker.state,
             "breaker_opened": None if self.breaker is None else self.breaker.times_opened,
+            "breaker_failures": None if self.breaker is None else dict(self.failures),
         }
 
 
