@@ -22,6 +22,10 @@ from .faults import FaultInjector, FaultSpec
 
 __all__ = ["DecodePlan", "Prepared", "prepare", "working_copy"]
 
+# The decode pool's forkserver imports this module once; loading every Pillow plugin
+# here means no worker, new or replaced, pays for it on its first upload.
+Image.init()
+
 
 @dataclass(frozen=True)
 class DecodePlan:
