@@ -46,7 +46,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     The count covers the bytes from the end of the previous request up to the
     blank line that ends this head. A request pipelined behind another in the
     same read is counted from the next read on, so a head is refused at the
-    latest ``MAX_HEAD_BYTES`` plus one read (at most 256 KiB) later.
+    latest ``MAX_HEAD_BYTES`` plus one read (256 KiB with asyncio and uvloop) later.
     """
 
     max_head_bytes = MAX_HEAD_BYTES
