@@ -10,6 +10,9 @@ bodies and status codes exactly; BentoML's own ``/readyz``, ``/livez`` and
 Routes:
 - ``POST /classify``: a raw image body or multipart field ``image``.
 - ``POST /classify_batch``: multipart, field ``images`` repeated.
+- ``/v2/...``: the Open Inference Protocol (KServe v2 / Triton HTTP), ``rampart.oip``.
+- ``POST /bentoml/classify``: ``/classify`` as a BentoML API, for ``bentoml.SyncHTTPClient``
+  and ``/docs`` (``rampart.bentoml_api``).
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rampart import http, metrics
+from rampart import http, metrics, oip
 from rampart.accesslog import log_request, server_timing
+from rampart.bentoml_api import CLASSIFY_API_ROUTE, CLASSIFY_DOC, ClassifyAnswer, ImageUpload, documented
 from rampart.bentoml_fixes import cancel_request_timers
 from rampart.buckets import buckets_for_resolution
 from rampart.config import get_settings
@@ -181,6 +185,7 @@ http_app = Starlette(
         Route("/classify", classify, methods=["POST"]),
         Route("/classify_batch", classify_batch, methods=["POST"]),
         Route("/stats", stats, methods=["GET"]),
+        *oip.routes(settings, service, finished),
     ]
 )
 
@@ -207,6 +212,11 @@ class Rampart:
         # collections under load scan only request-time objects (Python gc.freeze docs).
         gc.collect()
         gc.freeze()
+
+    @bentoml.api(route=CLASSIFY_API_ROUTE, input_spec=ImageUpload)
+    @documented(CLASSIFY_DOC)
+    async def classify(self, request: Request) -> ClassifyAnswer:
+        return await classify(request)  # the module-level /classify handler: same body reading and errors
 
     def loop_lag_ms(self) -> float:
         """The event loop's recent lag (ms), kept back from each new deadline; starts the monitor."""
