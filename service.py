@@ -215,8 +215,9 @@ class Rampart:
 
     @bentoml.api(route=CLASSIFY_API_ROUTE, input_spec=ImageUpload)
     @documented(CLASSIFY_DOC)
-    async def classify(self, request: Request) -> ClassifyAnswer:
-        return await classify(request)  # the module-level /classify handler: same body reading and errors
+    async def classify(self, image: Request) -> ClassifyAnswer:
+        """``image`` is the whole Starlette request (``ImageUpload``), for the module-level ``/classify`` handler."""
+        return await classify(image)
 
     def loop_lag_ms(self) -> float:
         """The event loop's recent lag (ms), kept back from each new deadline; starts the monitor."""

@@ -6,12 +6,15 @@ Starlette routes. So the service declares one thin API, ``classify`` at
 ``CLASSIFY_API_ROUTE``, whose request body stays unread by BentoML (``ImageUpload``
 hands the Starlette request straight through) and whose handler is the very
 coroutine behind ``POST /classify``: the same streaming byte cap, deadline, error
-bodies and status codes. Its schema is a raw file body (so the client sends the
-image as the whole body, like ``curl --data-binary``) answered by ``ClassifyAnswer``.
+bodies and status codes. Its schema is a multipart field ``image`` (so the client
+sends what ``curl -F image=@cat.jpg`` sends) answered by ``ClassifyAnswer``.
 
 Why a second route and not ``/classify`` itself: BentoML puts API routes before
 mounted apps, so an API at ``/classify`` would take that path's 404/405 handling
 away from Rampart's Starlette app.
+
+Unlike the rest of ``rampart/``, this module imports BentoML (its IO model base
+class); only ``service.py`` imports it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from _bentoml_sdk.io_models import IORootModel
+from _bentoml_sdk.io_models import IODescriptor
 from pydantic import BaseModel, Field
 
 from rampart.errors import ERROR_CLASSES
@@ -30,19 +33,18 @@ __all__ = ["CLASSIFY_API_ROUTE", "ImageUpload", "ClassifyAnswer", "error_table",
 CLASSIFY_API_ROUTE = "/bentoml/classify"
 
 
-class ImageUpload(IORootModel[Path]):
-    """The raw image as the whole request body (format sniffed from the bytes).
+class ImageUpload(IODescriptor):
+    """The image to classify, as the multipart field `image`."""
 
-    ``from_http_request`` does not read the body: the handler gets the Starlette
-    request itself and reads it with ``rampart.http.read_body``.
-    """
+    # ``from_http_request`` does not read the body: it hands the Starlette request itself
+    # to the handler as ``image``, and /classify's handler reads it (``rampart.http.read_body``).
+    # A multipart field rather than a raw body because BentoML 1.4.29's AsyncHTTPClient
+    # cannot send a raw file body (it gives httpx.AsyncClient a sync iterator).
+    image: Path = Field(description="the image file: JPEG, PNG, GIF, WEBP, BMP or TIFF")
 
     @classmethod
     async def from_http_request(cls, request: Any, serde: Any) -> "ImageUpload":
-        return cls.model_construct(root=request)
-
-
-ImageUpload.__root_input__ = True  # one positional argument, the body itself (as BentoML marks such specs)
+        return cls.model_construct(image=request)
 
 
 class Label(BaseModel):
@@ -86,7 +88,7 @@ def error_table() -> str:
     return "\n".join(lines)
 
 
-CLASSIFY_DOC = f"""Classify one image: the same handler as `POST /classify` (raw body; also multipart field `image`).
+CLASSIFY_DOC = f"""Classify one image: the same handler as `POST /classify` (multipart field `image`, or a raw body).
 
 Query `top_k` (1..20, default 5); headers `X-Deadline-Ms`, `X-Priority` (`high`/`normal`),
 `X-Request-Id`. Errors are JSON `{{"error": {{"code", "message", "request_id"}}}}`:

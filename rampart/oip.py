@@ -35,7 +35,7 @@ timings ``decode_ms``, ``queue_ms``, ``inference_ms``, ``total_ms`` (the slowest
 
 Errors are the protocol's ``{"error": "<code>: <message>"}`` with Rampart's status codes
 (see ``rampart.errors``): one bad image fails the whole request, and the message names
-its index. ``Retry-After`` comes with 429 as on ``/classify``.
+its index (``image 3: ...``). ``Retry-After`` comes with 429 as on ``/classify``.
 """
 
 from __future__ import annotations
@@ -96,7 +96,6 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration"]
 #: Bytes allowed per image in the body: base64 takes 4 bytes per 3, plus JSON/length framing.
 _BASE64_RATIO = 4 / 3
 _FRAMING_BYTES = 4096
-_NUMPY_DTYPES = {"UINT8": np.uint8, "FP32": np.float32, "INT64": np.int64}
 
 
 class Backend(Protocol):
@@ -309,7 +308,9 @@ class _Parameters:
             headers["x-priority"] = _priority(parameters["priority"])
         self.headers = headers
         self.sets_deadline = "deadline_ms" in parameters or "timeout" in parameters
-        self.query_params = {"top_k": _text(parameters["top_k"], "top_k")} if "top_k" in parameters else {}
+        self.query_params = dict(request.query_params)
+        if "top_k" in parameters:
+            self.query_params["top_k"] = _text(parameters["top_k"], "top_k")
 
 
 def _text(value: Any, name: str) -> str:
@@ -556,7 +557,7 @@ async def _classify_all(classifier: Any, images: list[bytes], top_k: int, deadli
     for index, answer in enumerate(answers):
         if isinstance(answer, RampartError):
             if len(images) > 1:
-                answer.message = f"{IMAGE}[{index}]: {answer.message}"
+                answer.message = f"image {index}: {answer.message}"
             raise answer
         if isinstance(answer, BaseException):
             raise answer

@@ -203,12 +203,14 @@ def test_batch_of_eight_and_raw_pixels(client):
     ([b"", b""], {}, "400", "empty_body"),
     ([b"x"], {"top_k": 21}, "422", "invalid_parameter"),
     ([b"x"], {"deadline_ms": "soon"}, "422", "invalid_parameter"),
-    ([b"x"], {"priority": "urgent"}, "422", "invalid_parameter"),
+    ([b"x"], {"priority": 7}, "422", "invalid_parameter"),
     ([b"x"] * 17, {}, "422", "invalid_parameter"),
 ], ids=["not-an-image", "broken-png", "empty", "top-k", "deadline", "priority", "over-batch-limit"])
 def test_bad_requests_are_protocol_errors_with_rampart_status(client, images, parameters, status, code):
     with pytest.raises(InferenceServerException) as failure:
-        client.infer(oip.MODEL_NAME, [image_input(images, True)], parameters=parameters)
+        rest = {key: value for key, value in parameters.items() if key != "priority"}  # a reserved name there
+        client.infer(oip.MODEL_NAME, [image_input(images, True)], parameters=rest,
+                     priority=parameters.get("priority", 0))
     assert failure.value.status() == status and failure.value.message().startswith(f"{code}: ")
 
 
