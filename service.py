@@ -216,7 +216,7 @@ class Rampart:
     @bentoml.api(route=CLASSIFY_API_ROUTE, input_spec=ImageUpload)
     @documented(CLASSIFY_DOC)
     async def classify(self, image: Request) -> ClassifyAnswer:
-        """``image`` is the whole Starlette request (``ImageUpload``), for the module-level ``/classify`` handler."""
+        # ``image`` is the whole Starlette request (``ImageUpload``); the module-level /classify handler reads it.
         return await classify(image)
 
     def loop_lag_ms(self) -> float:
