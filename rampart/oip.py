@@ -63,7 +63,6 @@ from . import http
 from .config import Settings
 from .deadline import Deadline
 from .errors import EmptyBody, InternalError, InvalidParameter, Overloaded, PayloadTooLarge, RampartError
-from .results import MAX_TOP_K
 
 __all__ = [
     "MODEL_NAME",
@@ -73,7 +72,10 @@ __all__ = [
     "SCORES",
     "CLASS_INDICES",
     "InferRequest",
+    "HEADER_LENGTH",
     "parse_infer_request",
+    "encode_infer_response",
+    "error_response",
     "serialize_bytes",
     "deserialize_bytes",
     "model_metadata",
