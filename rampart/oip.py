@@ -10,8 +10,10 @@ Routes (``routes()``; ``{name}`` is ``rampart``, the served pipeline):
 
 Every image of an inference request goes through ``Classifier.classify``, the call
 ``/classify`` makes: the same decode, caps, admission, deadline and fallback chain.
-The body is read with ``rampart.http.read_body`` under a byte cap and within the
-deadline, after ``Classifier.check_capacity`` (so shedding still costs nothing).
+The body is read with ``rampart.http.read_body`` under ``/classify_batch``'s byte cap
+(``max_batch_images`` × (``max_body_bytes`` + multipart overhead)) and within the
+deadline, after ``Classifier.check_capacity`` (so shedding still costs nothing); each
+image is then held to ``max_body_bytes``.
 
 Tensors (names as in ``model_metadata``):
 
@@ -95,9 +97,6 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 #: ``GET /v2``'s server version (the serving framework's) and extensions (Triton's names).
 SERVER_VERSION = f"bentoml-{package_version('bentoml')}"
 EXTENSIONS = ["binary_tensor_data", "model_configuration"]
-#: Bytes allowed per image in the body: base64 takes 4 bytes per 3, plus JSON/length framing.
-_BASE64_RATIO = 4 / 3
-_FRAMING_BYTES = 4096
 
 
 class Backend(Protocol):
@@ -515,8 +514,8 @@ def routes(settings: Settings, backend: Callable[[], Backend],
             high = http.parse_priority(request)
             classifier = service.classifier
             classifier.check_capacity(deadline, high)  # sheds (429) before the body is read
-            per_image = int(settings.max_body_bytes * _BASE64_RATIO) + _FRAMING_BYTES
-            body = await http.read_body(request, settings.max_batch_images * per_image + _FRAMING_BYTES, deadline)
+            limit = settings.max_batch_images * (settings.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
+            body = await http.read_body(request, limit, deadline)  # /classify_batch's cap
             parsed = await asyncio.to_thread(parse_infer_request, body, request.headers.get(HEADER_LENGTH),
                                              settings.max_body_bytes)
             view = _Parameters(request, parsed.parameters)

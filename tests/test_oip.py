@@ -70,6 +70,13 @@ def test_tritonclient_request_bodies_parse_to_the_same_images(binary):
     assert parsed.outputs is None and parsed.binary_output is True  # tritonclient's default: all outputs binary
 
 
+def test_binary_image_over_the_byte_cap_is_413():
+    body, header_length = request_body([image_input([b"x" * 10, b"x" * 11], True)])
+    assert len(oip.parse_infer_request(body, header_length, 11).images) == 2
+    with pytest.raises(PayloadTooLarge, match=r"IMAGE\[1\]"):
+        oip.parse_infer_request(body, header_length, 10)
+
+
 def test_pixels_input_becomes_a_lossless_image():
     pixels = photo("coffee")[:64, :80]
     tensor = triton.InferInput(oip.PIXELS, [1, *pixels.shape], "UINT8")
