@@ -77,10 +77,11 @@ def test_binary_image_over_the_byte_cap_is_413():
         oip.parse_infer_request(body, header_length, 10)
 
 
-def test_pixels_input_becomes_a_lossless_image():
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_pixels_input_becomes_a_lossless_image(binary):
     pixels = photo("coffee")[:64, :80]
     tensor = triton.InferInput(oip.PIXELS, [1, *pixels.shape], "UINT8")
-    tensor.set_data_from_numpy(pixels[None])
+    tensor.set_data_from_numpy(pixels[None], binary_data=binary)
     (image,) = oip.parse_infer_request(*request_body([tensor]), 20_000_000).images
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(image)).convert("RGB")), pixels)
 
