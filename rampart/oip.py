@@ -49,6 +49,7 @@ import dataclasses
 import io
 import json
 import logging
+import math
 import struct
 import time
 from dataclasses import dataclass
@@ -205,9 +206,9 @@ def _pixel_images(tensor: dict, blob: bytes | None) -> list[bytes]:
     if tensor.get("datatype") != "UINT8":
         raise InvalidParameter(f"input {PIXELS!r} must be UINT8, got {tensor.get('datatype')!r}")
     shape = _shape(tensor)
-    if len(shape) != 4 or shape[3] != 3:
-        raise InvalidParameter(f"input {PIXELS!r} must have shape [N, H, W, 3], got {shape}")
-    count = int(np.prod(shape))
+    if len(shape) != 4 or shape[3] != 3 or 0 in shape[1:3]:
+        raise InvalidParameter(f"input {PIXELS!r} must have shape [N, H, W, 3] with H, W >= 1, got {shape}")
+    count = math.prod(shape)  # Python integers: no overflow for hostile shapes
     if blob is not None:
         if len(blob) != count:
             raise InvalidParameter(f"input {PIXELS!r} of shape {shape} needs {count} bytes, got {len(blob)}")
@@ -239,7 +240,7 @@ def parse_infer_request(body: bytes, header_length: str | None, max_image_bytes:
         header_bytes, binary = body, memoryview(b"")
     try:
         header = json.loads(header_bytes)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: hostile nesting
         raise InvalidParameter(f"the inference request is not valid JSON: {exc}") from None
     if not isinstance(header, dict) or not isinstance(header.get("inputs"), list):
         raise InvalidParameter("the inference request must be a JSON object with an 'inputs' list")

@@ -107,8 +107,14 @@ def bad_request(header: dict) -> bytes:
     (bad_request({"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [0], "data": []}]}), None, EmptyBody),
     (bad_request({"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": ["QUJD" * 40]}]}), None,
      PayloadTooLarge),
+    (b"[" * 100_000 + b"]" * 100_000, None, InvalidParameter),
+    (bad_request({"inputs": [{"name": "PIXELS", "datatype": "UINT8", "shape": [1, 0, 0, 3], "data": []}]}), None,
+     InvalidParameter),
+    (bad_request({"inputs": [{"name": "PIXELS", "datatype": "UINT8", "shape": [2**40, 2**40, 2**40, 3],
+                              "data": [0]}]}), None, InvalidParameter),
 ], ids=["not-json", "inputs-not-list", "no-input", "unknown-input", "wrong-datatype", "shape-mismatch",
-        "bad-base64", "binary-size-past-end", "no-elements", "over-cap"])
+        "bad-base64", "binary-size-past-end", "no-elements", "over-cap", "deep-nesting", "empty-pixels",
+        "huge-pixel-shape"])
 def test_malformed_requests_raise_rampart_errors(body, header_length, error):
     with pytest.raises(error):
         oip.parse_infer_request(body, header_length, max_image_bytes=10)
