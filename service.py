@@ -11,6 +11,9 @@ Routes:
 - ``POST /classify``: a raw image body or multipart field ``image``.
 - ``POST /classify_batch``: multipart, field ``images`` repeated.
 - any other path or method: JSON 404/405 (``rampart.routing.JSONRouteErrors``).
+- ``/v2/...``: the Open Inference Protocol (KServe v2 / Triton HTTP), ``rampart.oip``.
+- ``POST /bentoml/classify``: ``/classify`` as a BentoML API, for ``bentoml.SyncHTTPClient``
+  and ``/docs`` (``rampart.bentoml_api``).
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from rampart import http, metrics
+from rampart import http, metrics, oip
 from rampart.accesslog import log_request, server_timing
 from rampart.arrival import bound_inflight, stamp_arrivals
+from rampart.bentoml_api import CLASSIFY_API_ROUTE, CLASSIFY_DOC, ClassifyAnswer, ImageUpload, documented
 from rampart.bentoml_fixes import bound_endpoint_labels, cancel_request_timers
 from rampart.buckets import buckets_for_resolution
 from rampart.config import get_settings
@@ -208,12 +212,13 @@ http_app = Starlette(
         Route("/classify", classify, methods=["POST"]),
         Route("/classify_batch", classify_batch, methods=["POST"]),
         Route("/stats", stats, methods=["GET"]),
+        *oip.routes(settings, service, finished),
     ]
 )
 
 
 #: Routes whose requests go through admission (``rampart.arrival.bound_inflight``, tracing off by default).
-ADMITTED_ROUTES = ("/classify", "/classify_batch")
+ADMITTED_ROUTES = ("/classify", "/classify_batch", f"/v2/models/{oip.MODEL_NAME}/infer", CLASSIFY_API_ROUTE)
 
 
 def accept_backlog() -> int:
@@ -267,6 +272,12 @@ class Rampart:
         # collections under load scan only request-time objects (Python gc.freeze docs).
         gc.collect()
         gc.freeze()
+
+    @bentoml.api(route=CLASSIFY_API_ROUTE, input_spec=ImageUpload)
+    @documented(CLASSIFY_DOC)
+    async def classify(self, image: Request) -> ClassifyAnswer:
+        # ``image`` is the whole Starlette request (``ImageUpload``); the module-level /classify handler reads it.
+        return await classify(image)
 
     def loop_lag_ms(self) -> float:
         """The event loop's recent lag (ms), kept back from each new deadline; starts the monitor."""

@@ -43,6 +43,24 @@ def test_slow_primary_falls_back_within_deadline(slow_server, name):
     assert elapsed_ms <= DEADLINE_MS + SLACK_MS
 
 
+def test_slow_primary_is_flagged_degraded_in_open_inference_protocol_parameters(slow_server):
+    """The same chain behind ``/v2/models/rampart/infer``: the fallback answers, and the response parameters say so."""
+    import numpy as np
+    import tritonclient.http as triton
+
+    image = triton.InferInput("IMAGE", [1], "BYTES")
+    image.set_data_from_numpy(np.array([encode(photo("chelsea"))], dtype=object))
+    with triton.InferenceServerClient(slow_server.url.removeprefix("http://"), network_timeout=10) as client:
+        started = time.monotonic()
+        result = client.infer("rampart", [image], parameters={"deadline_ms": DEADLINE_MS})
+        elapsed_ms = (time.monotonic() - started) * 1000
+    parameters = result.get_response()["parameters"]
+    assert parameters["degraded"] is True and parameters["degraded_reason"].startswith("primary_"), parameters
+    assert parameters["models"] == "rampart-fallback"
+    assert set(result.as_numpy("CLASS_INDICES")[0, :3].tolist()) & PHOTOS["chelsea"]
+    assert elapsed_ms <= DEADLINE_MS + SLACK_MS
+
+
 def test_errors_everywhere_give_the_static_answer_not_a_5xx(broken_server):
     response = httpx.post(f"{broken_server.url}/classify", content=encode(photo("chelsea")), timeout=10)
     assert response.status_code == 200, response.text
