@@ -128,6 +128,9 @@ def test_closed_loop_overload_leaves_no_after_effect(tau_server, client):
     assert all(s.status == 200 for s in after.samples), report
     assert sum(s.degraded_reason is not None for s in after.samples) <= 0.05 * len(after.samples), report
     assert median_waiting_ms(after) <= AFTER_EFFECT_RATIO * median_waiting_ms(before), report
+    print(client, {k: report[k] for k in ("median_latency_ms", "median_waiting_ms")},
+          [(r["connections"], r["p50_ms"], r["shed_rate"], r["late_200"], r["client_cpu_ms_per_request"])
+           for r in (report["before"], *report["overloads"], report["after"])])
 
 
 def test_retry_after_stays_bounded_after_idle(tau_server):
