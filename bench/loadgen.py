@@ -51,8 +51,9 @@ __all__ = ["Sample", "Round", "load_bodies", "unique", "closed_loop", "closed_lo
 class Sample:
     """One request: ``sent_s`` (seconds since the run started), ``latency_ms``, HTTP ``status``,
     the answering ``model`` name (None if none), ``degraded_reason``, ``high`` priority, ``deadline_ms``,
-    ``server_ms``, the server's own ``timings_ms.total``, and ``retry_after_s``, the ``Retry-After``
-    header in seconds (None when absent)."""
+    ``server_ms``, the server's own ``timings_ms.total``, ``retry_after_s``, the ``Retry-After``
+    header in seconds, and ``inference_ms``, the answering model's compute time (``timings_ms.inference``);
+    each None when absent."""
 
     sent_s: float
     latency_ms: float
@@ -63,6 +64,7 @@ class Sample:
     deadline_ms: float
     server_ms: float | None = None
     retry_after_s: float | None = None
+    inference_ms: float | None = None
 
 
 @dataclass(frozen=True)
@@ -168,8 +170,9 @@ async def _send(client: aiohttp.ClientSession, url: str, body: bytes, deadline_m
     latency_ms = (time.perf_counter() - sent) * 1000.0
     model = (payload.get("model") or {}).get("name") if isinstance(payload, dict) else None
     reason = payload.get("degraded_reason") if isinstance(payload, dict) else None
-    server_ms = (payload.get("timings_ms") or {}).get("total") if isinstance(payload, dict) else None
-    return Sample(sent - origin, latency_ms, status, model, reason, high, deadline_ms, server_ms, retry_after)
+    timings = (payload.get("timings_ms") or {}) if isinstance(payload, dict) else {}
+    return Sample(sent - origin, latency_ms, status, model, reason, high, deadline_ms, timings.get("total"), retry_after,
+                  timings.get("inference"))
 
 
 def _seconds(raw: str | None) -> float | None:
@@ -201,9 +204,10 @@ async def _send_httpx(client: httpx.AsyncClient, url: str, body: bytes, deadline
         status, payload, retry_after = 0, {}, None
     latency_ms = (time.perf_counter() - sent) * 1000.0
     payload = payload if isinstance(payload, dict) else {}
+    timings = payload.get("timings_ms") or {}
     return Sample(sent - origin, latency_ms, status, (payload.get("model") or {}).get("name"),
-                  payload.get("degraded_reason"), False, deadline_ms, (payload.get("timings_ms") or {}).get("total"),
-                  retry_after)
+                  payload.get("degraded_reason"), False, deadline_ms, timings.get("total"), retry_after,
+                  timings.get("inference"))
 
 
 @_without_gc_pauses

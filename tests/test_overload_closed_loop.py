@@ -28,6 +28,8 @@ AFTER_S = 10.0
 TAU_MS = 1000
 #: Single-connection latency after the overload may be at most this multiple of the one before it (issue 9).
 AFTER_EFFECT_RATIO = 1.5
+#: ... and from this many seconds after the overload on (issue 9: "within 5 s").
+RECOVERY_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -112,15 +114,27 @@ def test_closed_loop_overload_leaves_no_after_effect(tau_server, client):
             assert summary["late_200"] == 0, report
     assert state["primary"]["breaker"] == "closed" and state["primary"]["breaker_opened"] == 0, report
 
-    def median_ok(run) -> float:
-        times = [s.latency_ms for s in run.samples if s.status == 200]
+    def median_waiting_ms(run, from_s: float = 0.0) -> float:
+        """Median client latency of the 200s sent ``from_s`` or later into the round, less the model's
+        own compute time. Every after-effect this test looks for is waiting (a learned batching delay,
+        a shed, an open breaker, a lag reserve), never computing; compute time is what other processes
+        on a shared host vary."""
+        times = [s.latency_ms - (s.inference_ms or 0.0) for s in run.samples if s.status == 200 and s.sent_s >= from_s]
         assert len(times) >= 5, report
         return float(np.median(times))
+
+    report["median_latency_ms"] = {name: float(np.median([s.latency_ms for s in run.samples]))
+                                   for name, run in (("before", before), ("after", after))}
+    report["median_waiting_ms"] = {"before": median_waiting_ms(before), "after": median_waiting_ms(after)}
 
     # Full answers again (the issue saw 13 of 45 degraded); a rare loop-lag spike on a shared host may degrade one.
     assert all(s.status == 200 for s in after.samples), report
     assert sum(s.degraded_reason is not None for s in after.samples) <= 0.05 * len(after.samples), report
-    assert median_ok(after) <= AFTER_EFFECT_RATIO * median_ok(before), report
+    assert median_waiting_ms(after) <= AFTER_EFFECT_RATIO * median_waiting_ms(before), report
+    assert median_waiting_ms(after, RECOVERY_S) <= AFTER_EFFECT_RATIO * median_waiting_ms(before), report
+    print(client, {k: report[k] for k in ("median_latency_ms", "median_waiting_ms")},
+          [(r["connections"], r["p50_ms"], r["shed_rate"], r["late_200"], r["client_cpu_ms_per_request"])
+           for r in (report["before"], *report["overloads"], report["after"])])
 
 
 def test_retry_after_stays_bounded_after_idle(tau_server):
