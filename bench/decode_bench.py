@@ -142,7 +142,7 @@ def workers_throughput(mode: str, repeats: int) -> dict:
     limits = decode_limits(settings, [b for role in buckets.values() for b in role.values()])
     plan = DecodePlan(limits, buckets, settings.crop_margin)
     lifted = dataclasses.replace(plan, limits=dataclasses.replace(limits, max_jpeg_scans=10**9))
-    photos = sample_photos() * max(repeats, 2) * 2
+    photos = sample_photos() * max(repeats, 2) * 8
     bombs = [progressive_jpeg(7000, 8000), *(many_frames(fmt, 101) for fmt in MULTI_FRAME_FORMATS),
              *(many_chunks(fmt, 200_000) for fmt in CHUNK_FORMATS)] * max(repeats, 1)
     workers = os.cpu_count() or 1
@@ -162,7 +162,7 @@ def workers_throughput(mode: str, repeats: int) -> dict:
 
     async def scenarios() -> dict:
         await timed([(photos[0], plan)] * workers, workers)  # warm-up: imports and first decodes
-        slow = [(progressive_jpeg(7000, 1500), lifted)] * workers  # about 5 s each on the 2-core machine
+        slow = [(progressive_jpeg(7000, 1000), lifted)] * workers  # about 4 s each on the 2-core machine
         return {
             "photos": await timed([(data, plan) for data in photos], len(photos)),
             "bombs": await timed([(data, plan) for data in bombs], len(bombs)),

@@ -192,7 +192,7 @@ class BoundedPool:
 
     def stats(self) -> dict:
         """For ``GET /stats``: mode, workers configured and alive, replacements so far, jobs pending,
-        and the last (re)start time of a worker process in ms."""
+        and the slowest start, in ms, among the current worker processes."""
         if self.processes:
             alive = sum(1 for slot in self._slots if slot.process.process.is_alive())
             start_ms = round(max(slot.process.start_ms for slot in self._slots), 1)
