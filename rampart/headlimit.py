@@ -62,14 +62,20 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         if self._refused:
             return
         if self._in_head:
-            window = self._head_tail + data
-            end = window.find(_END_OF_HEAD)
-            self._head_bytes += len(data) if end < 0 else max(end + len(_END_OF_HEAD) - len(self._head_tail), 0)
+            self._head_bytes += self._head_part(data)
             if self._head_bytes > self.max_head_bytes:
                 self._refuse()
                 return
-            self._head_tail = window[-(len(_END_OF_HEAD) - 1):]
+            self._head_tail = (self._head_tail + data[-3:])[-3:]
         super().data_received(data)
+
+    def _head_part(self, data: bytes) -> int:
+        """How many bytes of ``data`` belong to the head: up to its end (a blank line), else all of them."""
+        across = (self._head_tail + data[:3]).find(_END_OF_HEAD)  # an end cut between the last read and this one
+        if across >= 0:
+            return across + len(_END_OF_HEAD) - len(self._head_tail)
+        end = data.find(_END_OF_HEAD)
+        return len(data) if end < 0 else end + len(_END_OF_HEAD)
 
     def on_headers_complete(self) -> None:
         self._in_head = False

@@ -31,7 +31,7 @@ from starlette.testclient import TestClient
 from _bentoml_impl.server.mount import PassiveMount
 from rampart import errors, http
 from rampart.deadline import Deadline
-from rampart.headlimit import MAX_HEAD_BYTES
+from rampart.headlimit import MAX_HEAD_BYTES, HeadLimitedProtocol
 from rampart.routing import OTHER_ENDPOINT, JSONRouteErrors, route_template
 from tests.conftest import PHOTOS, encode, photo
 from tests.test_observability import scrape
@@ -247,6 +247,19 @@ def send_raw(server, data: bytes, piece: int) -> bytes:
         while chunk := sock.recv(65536):
             reply += chunk
     return reply
+
+
+def test_head_is_counted_up_to_its_blank_line_wherever_the_reads_split_it():
+    protocol = HeadLimitedProtocol.__new__(HeadLimitedProtocol)  # only the byte count, no connection
+    head = b"POST /classify HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\n"
+    protocol._head_tail = b""
+    assert protocol._head_part(head + b"\r\n\r\n") == len(head)  # in one read, with a body
+    for cut in range(1, len(head)):  # in two reads: the parser sees the head end in the second
+        protocol._head_tail, counted = b"", 0
+        for data in (head[:cut], head[cut:] + b"\r\n\r\n"):  # a body that looks like another head end
+            counted += protocol._head_part(data)
+            protocol._head_tail = (protocol._head_tail + data[-3:])[-3:]
+        assert counted == len(head), cut
 
 
 @pytest.mark.parametrize("head", [
