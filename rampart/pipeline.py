@@ -121,9 +121,11 @@ class ModelLane:
     """
 
     #: Silence, in full batches at the measured speed, after which a timeout means "hung", not "busy".
-    #: A busy runner answers a batch about every batch time; 4 leaves room for CPU starvation on a
-    #: saturated host (issue 9: with the call's own wait as the limit, 256 connections opened the breaker).
-    STALL_BATCHES = 4
+    #: A busy runner answers about once per batch time, and the measured speed already includes CPU
+    #: starvation on a saturated host (issue 9: with the call's own wait as the only limit, 256
+    #: connections opened the breaker). Twice that, so a hung model is still caught within about a
+    #: second (tests/test_fallback.py's drill: two rounds of 8 requests).
+    STALL_BATCHES = 2
 
     def __init__(self, role: str, endpoint: ModelEndpoint, gate: AdmissionGate, breaker: CircuitBreaker | None) -> None:
         self.role = role
