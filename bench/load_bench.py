@@ -270,11 +270,12 @@ def closed_loop_sweep(out: Path, connections: tuple[int, ...], round_s: float, c
     (out / "closed_loop.json").write_text(json.dumps({"machine": machine(), "client": client, "round_s": round_s,
                                                       "deadline_ms": SLO_MS, "rounds": rounds, "stats_after": stats},
                                                      indent=2))
-    print("connections  req/s  goodput/s  p50_ms  p99_ms  shed  degraded  late_200  5xx  failed  client_cpu_ms/req")
+    print("connections  req/s  goodput/s  p50_ms  p99_ms  p50_waiting_ms  shed  degraded  late_200  5xx  failed"
+          "  client_cpu_ms/req")
     for r in rounds:
         print(f"{r['connections']:>11}  {r['throughput_rps']:>5}  {r['goodput_rps']:>9}  {r['p50_ms']:>6}  {r['p99_ms']:>6}"
-              f"  {r['shed_rate']:>4}  {r['degraded_rate']:>8}  {r['late_200']:>8}  {r['errors_5xx']:>3}  {r['failed']:>6}"
-              f"  {r['client_cpu_ms_per_request']:>17}")
+              f"  {r['p50_waiting_ms']:>14}  {r['shed_rate']:>4}  {r['degraded_rate']:>8}  {r['late_200']:>8}"
+              f"  {r['errors_5xx']:>3}  {r['failed']:>6}  {r['client_cpu_ms_per_request']:>17}")
     print("breaker:", stats["primary"]["breaker"], "opened", stats["primary"].get("breaker_opened"))
     return 0
 

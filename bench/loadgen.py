@@ -79,9 +79,14 @@ class Round:
     client_cpu_s: float
 
     def summary(self, slack_ms: float | None = None) -> dict:
-        """``summarize`` of the samples plus ``connections``, ``client`` and ``client_cpu_ms_per_request``."""
+        """``summarize`` of the samples plus ``connections``, ``client``, ``client_cpu_ms_per_request``,
+        ``p50_inference_ms`` (the model's compute time in 200 answers) and ``p50_waiting_ms`` (client
+        latency less that compute time: the part any after-effect of an overload would add to)."""
         summary = summarize(self.samples, self.duration_s, DEADLINE_SLACK_MS if slack_ms is None else slack_ms)
+        ok = [s for s in self.samples if s.status == 200]
         return {"connections": self.connections, "client": self.client, **summary,
+                "p50_inference_ms": _percentile([s.inference_ms or 0.0 for s in ok], 50),
+                "p50_waiting_ms": _percentile([s.latency_ms - (s.inference_ms or 0.0) for s in ok], 50),
                 "client_cpu_ms_per_request": round(self.client_cpu_s * 1000.0 / max(len(self.samples), 1), 3)}
 
 

@@ -113,15 +113,20 @@ class ModelLane:
 
     For the breaker, a timed-out call is a failure only when the runner has been
     silent (no response of any kind, see ``_responded``) since the call was
-    dispatched *and* for longer than ``STALL_BATCHES`` full batches at the measured
-    throughput (``stall_after_s``): long enough that a busy runner, even one starved
-    of CPU by an overloaded host, would have answered something.
+    dispatched *and* for longer than ``STALL_BATCHES`` full batches at the
+    throughput measured when it last responded (``stall_after_s``): long enough
+    that a busy runner, even one starved of CPU by an overloaded host (whose
+    measured throughput is then low), would have answered something. The
+    throughput is taken as of the last response because the meter itself falls
+    while a hung model completes nothing, which would push the limit away.
     """
 
     #: Silence, in full batches at the measured speed, after which a timeout means "hung", not "busy".
-    #: A busy runner answers a batch about every batch time; 4 leaves room for CPU starvation on a
-    #: saturated host (issue 9: with the call's own wait as the limit, 256 connections opened the breaker).
-    STALL_BATCHES = 4
+    #: A busy runner answers about once per batch time, and the measured speed already includes CPU
+    #: starvation on a saturated host (issue 9: with the call's own wait as the only limit, 256
+    #: connections opened the breaker). Twice that, so a hung model is still caught within about a
+    #: second (tests/test_fallback.py's drill: two rounds of 8 requests).
+    STALL_BATCHES = 2
 
     def __init__(self, role: str, endpoint: ModelEndpoint, gate: AdmissionGate, breaker: CircuitBreaker | None) -> None:
         self.role = role
@@ -130,6 +135,7 @@ class ModelLane:
         self.breaker = breaker
         self.responses = 0  # runner responses ever (answers, late answers, TTL drops): the model's progress
         self.last_response = time.monotonic()
+        self._ms_per_image_at_response: float | None = None
         self.failures = {"error": 0, "stalled": 0}  # what the breaker was told, by kind
         gate.on_change = self._publish_queue
 
@@ -218,11 +224,12 @@ class ModelLane:
         if not call.cancelled() and call.exception() is None:
             self.responses += 1
             self.last_response = time.monotonic()
+            self._ms_per_image_at_response = self.gate.meter.ms_per_image
 
     def stall_after_s(self) -> float:
         """Seconds of runner silence after which a timeout counts as a failure: ``STALL_BATCHES`` full
-        batches at the measured time per image (0 before any measurement)."""
-        ms = self.gate.meter.ms_per_image or 0.0
+        batches at the time per image measured at the last response (before any: now; 0 unmeasured)."""
+        ms = self._ms_per_image_at_response or self.gate.meter.ms_per_image or 0.0
         return self.STALL_BATCHES * self.gate.max_batch_size * ms / 1000.0
 
     def _record(self, ok: bool | None, kind: str = "") -> None:
