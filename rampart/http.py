@@ -24,6 +24,7 @@ from .errors import (
     Overloaded,
     PayloadTooLarge,
     RampartError,
+    Unavailable,
 )
 from .results import MAX_TOP_K
 
@@ -174,8 +175,8 @@ def multipart_files(request: Request, body: bytes, field: str) -> list[tuple[str
 
 
 def error_response(error: RampartError, request_id: str) -> JSONResponse:
-    """The JSON error response for ``error``, with ``Retry-After`` on 429."""
+    """The JSON error response for ``error``, with ``Retry-After`` on 429 and 503."""
     headers = {"X-Request-Id": request_id}
-    if isinstance(error, Overloaded):
+    if isinstance(error, (Overloaded, Unavailable)):
         headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
     return JSONResponse(error.to_body(request_id), status_code=error.status, headers=headers)
