@@ -169,11 +169,18 @@ def intercept_exit_signals(drain: Callable[[int], Awaitable[None]]) -> bool:
     return True
 
 
+#: This process's parent when it started: the circus arbiter of ``bentoml serve``.
+_PARENT_PID = os.getppid()
+
+
 def entry_workers_alive() -> int:
     """How many sibling processes (children of this process's parent, the circus arbiter) are
-    entry-service workers: BentoML starts them with ``--service-name rampart``."""
+    entry-service workers: BentoML starts them with ``--service-name rampart``. 0 once the
+    arbiter is gone (this process was re-parented), since its siblings are then unknown."""
     import psutil
 
+    if os.getppid() != _PARENT_PID:
+        return 0
     try:
         siblings = psutil.Process(os.getppid()).children()
     except psutil.Error:
