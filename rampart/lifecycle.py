@@ -2,10 +2,12 @@
 
 ``bentoml serve`` runs every process under one circus arbiter. On SIGTERM the
 arbiter sends SIGTERM to all of them at once (``circus.arbiter._stop_watchers``),
-and each is a uvicorn server that closes its listening socket at once. Left as
-is, the runners' Unix sockets vanish while the entry service still has requests
-in flight, and those requests find no model. Rampart therefore takes over the
-exit signal in every process (``intercept_exit_signals``) and orders the exit:
+and each is a uvicorn server that closes its listening socket at once (BentoML
+also deleted the runners' socket files at once; ``rampart.bentoml_fixes``
+``keep_runner_sockets_until_stopped`` defers that). Left as is, the runners
+vanish while the entry service still has requests in flight, and those requests
+find no model. Rampart therefore takes over the exit signal in every process
+(``intercept_exit_signals``) and orders the exit:
 
 - The entry service's worker (``Lifecycle``) drains: ``/readyz`` turns 503 and
   new requests get 503 ``shutting_down`` at once, while every request already
@@ -73,8 +75,7 @@ class Lifecycle:
     raises ``NotReady`` (503 ``not_ready``) before ``mark_ready()``,
     ``ShuttingDown`` (503 ``shutting_down``) after ``begin_drain()``, and otherwise
     counts the request in flight until the context manager it returns exits.
-    Use from the event loop thread only (``begin_drain`` may run in a signal handler
-    on that thread).
+    Use from the event loop thread only.
     """
 
     def __init__(self) -> None:
