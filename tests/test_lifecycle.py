@@ -124,13 +124,15 @@ def test_sigterm_answers_every_admitted_request_refuses_new_ones_and_exits(fresh
                     "/classify_batch", content=slow_body(body[:200], body[200:], go, 0.2 * i),
                     headers={**headers, "Content-Type": f"multipart/form-data; boundary={boundary}"}))
             tasks = [asyncio.ensure_future(upload) for upload in uploads]
-            in_flight = 0
+            in_flight, give_up = 0, time.monotonic() + MAX_DEADLINE_MS / 2000
             while in_flight < len(tasks):  # every request admitted, its body still arriving
+                assert time.monotonic() < give_up, f"only {in_flight} of {len(tasks)} requests admitted"
                 await asyncio.sleep(0.05)
                 in_flight = (await client.get("/stats")).json()["lifecycle"]["in_flight"]
             signalled = time.monotonic()
             fresh_server.process.send_signal(signal.SIGTERM)  # to the arbiter only, as Kubernetes does
             while (await client.get("/readyz")).status_code == 200:
+                assert time.monotonic() < signalled + 1, "/readyz still 200 a second after SIGTERM"
                 await asyncio.sleep(0.01)
             late = await client.post("/classify", content=encode(photo("coffee")))
             go.set()
