@@ -132,7 +132,7 @@ def test_sigterm_answers_every_admitted_request_refuses_new_ones_and_exits(fresh
             signalled = time.monotonic()
             fresh_server.process.send_signal(signal.SIGTERM)  # to the arbiter only, as Kubernetes does
             while (await client.get("/readyz")).status_code == 200:
-                assert time.monotonic() < signalled + 1, "/readyz still 200 a second after SIGTERM"
+                assert time.monotonic() < signalled + 5, "/readyz still 200 5 s after SIGTERM"
                 await asyncio.sleep(0.01)
             late = await client.post("/classify", content=encode(photo("coffee")))
             go.set()
