@@ -14,6 +14,10 @@ Routes:
 - ``/v2/...``: the Open Inference Protocol (KServe v2 / Triton HTTP), ``rampart.oip``.
 - ``POST /bentoml/classify``: ``/classify`` as a BentoML API, for ``bentoml.SyncHTTPClient``
   and ``/docs`` (``rampart.bentoml_api``).
+
+Lifecycle (``rampart.lifecycle``): both routes answer 503 ``not_ready`` until both
+runners have warmed up, and 503 ``shutting_down`` once SIGTERM has arrived; the
+requests admitted before it are answered before the worker exits.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import logging
 import time
 
 import bentoml
+import psutil
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -33,11 +38,13 @@ from rampart import http, metrics, oip
 from rampart.accesslog import log_request, server_timing
 from rampart.arrival import bound_inflight, stamp_arrivals
 from rampart.bentoml_api import CLASSIFY_API_ROUTE, CLASSIFY_DOC, ClassifyAnswer, ImageUpload, documented
-from rampart.bentoml_fixes import bound_endpoint_labels, cancel_request_timers
+from rampart.bentoml_fixes import bound_endpoint_labels, cancel_request_timers, keep_runner_sockets_until_stopped
 from rampart.buckets import buckets_for_resolution
 from rampart.config import get_settings
-from rampart.errors import InternalError, InvalidParameter, Overloaded, RampartError
+from rampart.errors import InternalError, InvalidParameter, Overloaded, RampartError, Unavailable
 from rampart.headlimit import limit_request_heads
+from rampart.lifecycle import ENTRY_SERVICE_NAME, Lifecycle, intercept_exit_signals
+from rampart.lifecycle import logger as lifecycle_log
 from rampart.looplag import LoopLagMonitor
 from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
 from rampart.routing import JSONRouteErrors
@@ -51,6 +58,7 @@ cancel_request_timers()  # BentoML 1.4.29 keeps every request alive for traffic.
 stamp_arrivals()  # deadlines count from each request's first byte: see rampart.arrival
 bound_endpoint_labels()  # BentoML labels its traffic metrics with the raw path: see the module
 limit_request_heads()  # uvicorn's httptools protocol accepts request heads of any size: see the module
+keep_runner_sockets_until_stopped()  # BentoML's arbiter deletes the runners' sockets at SIGTERM, before the drain
 
 
 def model_endpoint(tag: str, runner) -> ModelEndpoint:
@@ -151,6 +159,22 @@ def batch_timings_ms(results: list[dict], total_ms: float) -> dict[str, float]:
     return {**stages, "total": round(total_ms, 1)}
 
 
+def admitted(endpoint):
+    """The route ``endpoint``, refused with 503 before warm-up and during the drain, and counted in
+    flight otherwise (``rampart.lifecycle.Lifecycle.admit``): a drain waits for every request it let in."""
+
+    async def route(request: Request):
+        try:
+            admission = service().lifecycle.admit()
+        except Unavailable as exc:
+            return failed(request, http.request_id_of(request), False, time.perf_counter(), exc)
+        with admission:
+            return await endpoint(request)
+
+    route.__name__, route.__doc__ = endpoint.__name__, endpoint.__doc__
+    return route
+
+
 def failed(request: Request, request_id: str, high: bool, started: float, exc: Exception) -> JSONResponse:
     """The error response for ``exc`` (a ``RampartError``, else a logged 500), accounted and logged."""
     if not isinstance(exc, RampartError):
@@ -178,6 +202,7 @@ async def stats(request: Request) -> JSONResponse:
     """``GET /stats``: admission queues, measured throughput, breaker state, runner counters."""
     rampart = service()
     body = rampart.classifier.state()
+    body["lifecycle"] = {"state": rampart.lifecycle.state, "in_flight": rampart.lifecycle.in_flight}
     for role, runner in (("primary", rampart.primary), ("fallback", rampart.fallback)):
         body[role]["runner"] = await runner_stats(runner)
     return JSONResponse(body)
@@ -207,10 +232,12 @@ def service() -> "Rampart":
     return bentoml.get_current_service()
 
 
+classify_route = admitted(classify)
+
 http_app = Starlette(
     routes=[
-        Route("/classify", classify, methods=["POST"]),
-        Route("/classify_batch", classify_batch, methods=["POST"]),
+        Route("/classify", classify_route, methods=["POST"]),
+        Route("/classify_batch", admitted(classify_batch), methods=["POST"]),
         Route("/stats", stats, methods=["GET"]),
         *oip.routes(settings, service, finished),
     ]
@@ -248,7 +275,7 @@ def middleware_config() -> dict:
     return config
 
 
-@bentoml.service(name="rampart", workers=1, traffic={"timeout": settings.max_deadline_ms / 1000 + 10},
+@bentoml.service(name=ENTRY_SERVICE_NAME, workers=1, traffic={"timeout": settings.max_deadline_ms / 1000 + 10},
                  backlog=accept_backlog(), **middleware_config())
 @bentoml.asgi_app(http_app, path="/")
 class Rampart:
@@ -267,7 +294,8 @@ class Rampart:
         self.loop_lag = LoopLagMonitor()
         bound_inflight(self.classifier.inflight_limit, refuse_before_admission, ADMITTED_ROUTES)
         metrics.init_api_series()
-        self._ready = False
+        self.lifecycle = Lifecycle()
+        self._runners_watch: asyncio.Task | None = None
         # Move everything built at start-up out of the garbage collector's reach, so
         # collections under load scan only request-time objects (Python gc.freeze docs).
         gc.collect()
@@ -276,8 +304,8 @@ class Rampart:
     @bentoml.api(route=CLASSIFY_API_ROUTE, input_spec=ImageUpload)
     @documented(CLASSIFY_DOC)
     async def classify(self, image: Request) -> ClassifyAnswer:
-        # ``image`` is the whole Starlette request (``ImageUpload``); the module-level /classify handler reads it.
-        return await classify(image)
+        # ``image`` is the whole Starlette request (``ImageUpload``); /classify's own route reads it.
+        return await classify_route(image)
 
     def loop_lag_ms(self) -> float:
         """The event loop's recent lag (ms), kept back from each new deadline; starts the monitor."""
@@ -287,19 +315,51 @@ class Rampart:
         return lag_ms
 
     async def __is_ready__(self) -> bool:
-        """Ready once both runners have finished warm-up; their warm-up speed seeds the throughput meters."""
-        if not self._ready:
-            checks = [getattr(runner, "is_ready", None) for runner in (self.primary, self.fallback)]
+        """``/readyz``: 200 once both runners have warmed up, 503 again from SIGTERM on (the drain)."""
+        return self.lifecycle.ready and not self.lifecycle.draining
+
+    @bentoml.on_startup
+    async def start_lifecycle(self) -> None:
+        """Watch the runners until both are warm, and take over SIGTERM for a graceful drain."""
+        intercept_exit_signals(self.drain)
+        self._runners_watch = asyncio.create_task(self.wait_for_runners())
+
+    async def wait_for_runners(self, poll_s: float = 0.25) -> None:
+        """Poll both runners' ``/readyz`` until both are warm; then seed the throughput meters with their
+        warm-up speed, admit requests, and log how long start-up took."""
+        checks = [getattr(runner, "is_ready", None) for runner in (self.primary, self.fallback)]
+        while True:
             try:
-                self._ready = all([await check() if check else True for check in checks])
-            except Exception as exc:  # a runner still starting refuses connections
-                logger.info("runners not ready yet: %s", exc)
-            if self._ready:
-                for lane, runner in ((self.classifier.primary, self.primary), (self.classifier.fallback, self.fallback)):
-                    counters = await runner_stats(runner)
-                    if counters:
-                        lane.gate.meter.seed(counters["warmup_ms_per_image"])
-        return self._ready
+                # Our own timeout, shorter than httpx's, so a runner still warming up logs no warning.
+                ready = [await asyncio.wait_for(check(5), 1.0) if check else True for check in checks]
+            except Exception:  # a runner still starting refuses or holds the connection
+                ready = [False]
+            if all(ready):
+                break
+            await asyncio.sleep(poll_s)
+        warmup = {}
+        for role, lane, runner in (("primary", self.classifier.primary, self.primary),
+                                   ("fallback", self.classifier.fallback, self.fallback)):
+            counters = await runner_stats(runner)
+            if counters:
+                lane.gate.meter.seed(counters["warmup_ms_per_image"])
+                warmup[role] = counters.get("warmup_s", 0.0)
+        self.lifecycle.mark_ready()
+        since_start_s = time.time() - psutil.Process().create_time()
+        lifecycle_log.info("Rampart ready: both runners warm %.1f s after this worker started (warm-up: %s)",
+                    since_start_s, ", ".join(f"{role} {s:.1f} s" for role, s in warmup.items()) or "in-process")
+
+    async def drain(self, signum: int) -> None:
+        """On SIGTERM: refuse new requests (503) and wait for the admitted ones, at most ``max_deadline_ms``."""
+        self.lifecycle.begin_drain()
+        started = time.monotonic()
+        lifecycle_log.info("signal %d: draining %d request(s) in flight, refusing new ones (at most %d ms)",
+                    signum, self.lifecycle.in_flight, settings.max_deadline_ms)
+        if await self.lifecycle.drained(settings.max_deadline_ms / 1000):
+            lifecycle_log.info("drained in %.1f s; stopping", time.monotonic() - started)
+        else:
+            lifecycle_log.warning("%d request(s) still in flight after %d ms; stopping anyway",
+                           self.lifecycle.in_flight, settings.max_deadline_ms)
 
 
 Rampart.add_asgi_middleware(JSONRouteErrors, answered=route_error_answered)  # JSON 404/405: see rampart.routing

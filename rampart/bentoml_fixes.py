@@ -24,13 +24,16 @@ path template instead, and ``other`` for every path no route serves
 
 Both are idempotent and applied when ``service.py`` is imported (by the entry
 service and by each runner process).
+
+``keep_runner_sockets_until_stopped()``: on SIGTERM the arbiter deletes the
+runners' Unix socket files before stopping any process; see the function.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-__all__ = ["cancel_request_timers", "bound_endpoint_labels"]
+__all__ = ["cancel_request_timers", "bound_endpoint_labels", "keep_runner_sockets_until_stopped"]
 
 
 def cancel_request_timers() -> None:
@@ -109,3 +112,39 @@ def bound_endpoint_labels() -> None:
 
         __call__._rampart_fixed = True
         middleware.__call__ = __call__
+
+
+def keep_runner_sockets_until_stopped() -> None:
+    """Patch BentoML's circus ``Arbiter`` so the runners' Unix socket files outlive their processes.
+
+    ``bentoml._internal.utils.circus.Arbiter.stop`` runs its exit stack first, and
+    ``serve_http`` put ``shutil.rmtree(uds_path)`` on it: on SIGTERM the runners'
+    socket files are deleted at once, before any process has stopped. Connections
+    already open keep working, but every new connection from the entry service to a
+    runner fails with ``ConnectError: No such file or directory``, so requests still
+    in flight find no model (the graceful drain, ``rampart.lifecycle``, needs them).
+    The patch runs that exit stack after the watchers have stopped, where circus
+    closes its sockets (``stop_controller_and_close_sockets``). It takes effect in
+    the ``bentoml serve`` process, which imports ``service.py`` before it builds the
+    arbiter, and is idempotent.
+    """
+    from circus.arbiter import Arbiter as CircusArbiter
+
+    from bentoml._internal.utils import circus as bentoml_circus
+
+    arbiter = bentoml_circus.Arbiter
+    if getattr(arbiter.stop, "_rampart_fixed", False):
+        return
+
+    def stop(self):
+        return CircusArbiter.stop(self)
+
+    def stop_controller_and_close_sockets(self) -> None:
+        try:
+            CircusArbiter.stop_controller_and_close_sockets(self)
+        finally:
+            self.exit_stack.__exit__(None, None, None)
+
+    stop._rampart_fixed = True
+    arbiter.stop = stop
+    arbiter.stop_controller_and_close_sockets = stop_controller_and_close_sockets

@@ -24,6 +24,9 @@
     │   ├── InvalidParameter          422 invalid_parameter
     │   └── HeadersTooLarge           431 headers_too_large
     ├── Overloaded                    429 overloaded (with Retry-After)
+    ├── Unavailable                   503, with Retry-After: this server cannot serve now
+    │   ├── NotReady                  503 not_ready (the runners are still warming up)
+    │   └── ShuttingDown              503 shutting_down (draining after SIGTERM)
     └── InternalError                 500 internal_error (Rampart's own fault)
 
 The HTTP status lives on the class, so the service maps errors to responses in
@@ -58,6 +61,9 @@ __all__ = [
     "InvalidParameter",
     "HeadersTooLarge",
     "Overloaded",
+    "Unavailable",
+    "NotReady",
+    "ShuttingDown",
     "InternalError",
     "ERROR_CLASSES",
 ]
@@ -216,6 +222,29 @@ class Overloaded(RampartError):
         self.retry_after_s = retry_after_s
 
 
+class Unavailable(RampartError):
+    """This server cannot serve requests now (start-up or drain); retry after ``retry_after_s`` seconds,
+    on this server or another replica."""
+
+    code, status = "unavailable", 503
+
+    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NotReady(Unavailable):
+    """The model runners have not finished warm-up; ``/readyz`` is 503 meanwhile."""
+
+    code = "not_ready"
+
+
+class ShuttingDown(Unavailable):
+    """The server got SIGTERM: it answers the requests it already admitted and refuses new ones."""
+
+    code = "shutting_down"
+
+
 class InternalError(RampartError):
     """Rampart's own fault. No input may cause one."""
 
@@ -243,5 +272,7 @@ ERROR_CLASSES: tuple[type[RampartError], ...] = (
     InvalidParameter,
     HeadersTooLarge,
     Overloaded,
+    NotReady,
+    ShuttingDown,
     InternalError,
 )

@@ -30,6 +30,7 @@ from .errors import (
     PayloadTooLarge,
     RampartError,
     TooManyParts,
+    Unavailable,
 )
 from .results import MAX_TOP_K
 
@@ -285,9 +286,9 @@ class MultipartParts:
 
 
 def error_response(error: RampartError, request_id: str) -> JSONResponse:
-    """The JSON error response for ``error``, with ``Retry-After`` on 429 and ``Allow`` on 405."""
+    """The JSON error response for ``error``, with ``Retry-After`` on 429 and 503 and ``Allow`` on 405."""
     headers = {"X-Request-Id": request_id}
-    if isinstance(error, Overloaded):
+    if isinstance(error, (Overloaded, Unavailable)):
         headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
     if isinstance(error, MethodNotAllowed) and error.allowed:
         headers["Allow"] = ", ".join(error.allowed)

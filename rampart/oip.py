@@ -309,6 +309,7 @@ class _Parameters:
         if "priority" in parameters:
             headers["x-priority"] = _priority(parameters["priority"])
         self.headers = headers
+        self.scope = request.scope  # the arrival time (``rampart.arrival``) lives there
         self.sets_deadline = "deadline_ms" in parameters or "timeout" in parameters
         self.query_params = dict(request.query_params)
         if "top_k" in parameters:
@@ -397,10 +398,12 @@ def encode_infer_response(parsed: InferRequest, results: list[dict], top_k: int,
 
 
 def error_response(error: RampartError, request_id: str) -> JSONResponse:
-    """The protocol's error body ``{"error": "<code>: <message>"}`` with Rampart's status (and ``Retry-After`` on 429)."""
+    """The protocol's error body ``{"error": "<code>: <message>"}`` with Rampart's status (and ``Retry-After``
+    on 429 and 503)."""
     headers = {"X-Request-Id": request_id}
-    if isinstance(error, Overloaded):
-        headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
+    retry_after_s = getattr(error, "retry_after_s", None)  # Overloaded, Unavailable
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, round(retry_after_s)))
     return JSONResponse({"error": f"{error.code}: {error.message}"}, status_code=error.status, headers=headers)
 
 
@@ -504,7 +507,17 @@ def routes(settings: Settings, backend: Callable[[], Backend],
         return unknown_model(request) or JSONResponse(model_config(settings, version()))
 
     async def infer(request: Request) -> Response:
-        started, request_id, high = time.perf_counter(), http.request_id_of(request), False
+        started, request_id = time.perf_counter(), http.request_id_of(request)
+        try:  # refused (503) before warm-up and during a drain, else counted in flight until answered
+            admission = backend().lifecycle.admit()
+        except RampartError as exc:
+            account(request, request_id, False, started, exc.status, exc.code)
+            return error_response(exc, request_id)
+        with admission:
+            return await admitted_infer(request, started, request_id)
+
+    async def admitted_infer(request: Request, started: float, request_id: str) -> Response:
+        high = False
         missing = unknown_model(request)
         if missing is not None:
             return missing

@@ -5,6 +5,11 @@ Each runner exposes one batchable BentoML API per size bucket (``square``,
 API, so a batch never mixes shapes; ``BucketedRunner.run_bucket`` asserts that
 anyway, drops items whose deadline has already passed before computing (a TTL
 drop, counted), stacks the rest into a uint8 N×H×W×3 array and calls the engine.
+
+Lifecycle: ``__init__`` warms the engine up before the process answers anything
+(``/readyz`` is 503 until then), and on SIGTERM a runner keeps serving until the
+entry service has drained and exited (``rampart.lifecycle``), so no admitted
+request loses its model.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from pydantic import Field
 from rampart import metrics
 from rampart.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
 from rampart.faults import FaultInjector
+from rampart.lifecycle import RUNNER_EXIT_MARGIN_S, intercept_exit_signals, wait_for_entry_workers
+from rampart.lifecycle import logger as lifecycle_log
 
 __all__ = ["RunnerItem", "RunnerResult", "BucketedRunner", "bucket_apis", "runner_service", "lower_cpu_priority",
            "dispatch_when_free"]
@@ -99,13 +106,17 @@ class BucketedRunner:
     faults: FaultInjector
     max_batch_size: int
 
-    def setup(self, role: str, resolution: int, faults: FaultInjector, max_batch_size: int, nice: int = 0) -> None:
+    def setup(self, role: str, resolution: int, faults: FaultInjector, max_batch_size: int, nice: int = 0,
+              max_deadline_ms: int = 60_000) -> None:
         """Set buckets, faults and counters and lower this process's CPU priority to ``nice``.
 
         Call once from the subclass ``__init__``, before warm-up creates the
         inference threads (they inherit the niceness of the thread creating them).
+        ``max_deadline_ms`` bounds how long the runner outlives a SIGTERM (see
+        ``outlive_entry_service``).
         """
         lower_cpu_priority(nice)
+        self.max_deadline_ms = max_deadline_ms
         self.role = role
         metrics.init_runner_series(role)
         self.buckets = buckets_for_resolution(resolution)
@@ -113,6 +124,7 @@ class BucketedRunner:
         self.max_batch_size = max_batch_size
         self.ttl_dropped = 0
         self.warmup_ms_per_image = 0.0
+        self.warmup_s = 0.0
         self.compute_batch_size = max_batch_size
         self._lock = threading.Lock()
         self._ready = False
@@ -129,6 +141,7 @@ class BucketedRunner:
         README "Benchmark"). ``warmup_ms_per_image`` at that size seeds the entry
         service's throughput estimate (``rampart.admission.ThroughputMeter``).
         """
+        started = time.perf_counter()
         sizes = sorted({1 << i for i in range(self.max_batch_size.bit_length())} | {self.max_batch_size})
         sizes = [size for size in sizes if size <= self.max_batch_size]
         for bucket in self.buckets.values():
@@ -145,6 +158,7 @@ class BucketedRunner:
             ms_per_image[size] = min(runs)
         self.compute_batch_size = min(ms_per_image, key=ms_per_image.get)
         self.warmup_ms_per_image = ms_per_image[self.compute_batch_size]
+        self.warmup_s = time.perf_counter() - started
         self._ready = True
         # Start-up objects (model, framework) leave the garbage collector's reach, so
         # collections during serving stay short (Python gc.freeze docs).
@@ -153,10 +167,11 @@ class BucketedRunner:
 
     @bentoml.api(route="/stats")
     async def stats(self) -> dict:
-        """Counters of this runner: ``warmup_ms_per_image`` (ms), ``compute_batch_size``, ``ttl_dropped`` and
-        ``oom_splits`` (counts)."""
+        """Counters of this runner: ``warmup_ms_per_image`` (ms), ``warmup_s`` (duration of ``warm_up``, s),
+        ``compute_batch_size``, ``ttl_dropped`` and ``oom_splits`` (counts)."""
         return {
             "warmup_ms_per_image": self.warmup_ms_per_image,
+            "warmup_s": round(self.warmup_s, 3),
             "compute_batch_size": self.compute_batch_size,
             "ttl_dropped": self.ttl_dropped,
             "oom_splits": getattr(self.engine, "oom_splits", 0),
@@ -164,6 +179,27 @@ class BucketedRunner:
 
     def __is_ready__(self) -> bool:
         return self._ready
+
+    @bentoml.on_startup
+    def keep_serving_through_the_drain(self) -> None:
+        """Under ``bentoml serve``: on SIGTERM, go on serving until the entry service has exited."""
+        intercept_exit_signals(self.outlive_entry_service)
+
+    async def outlive_entry_service(self, signum: int) -> None:
+        """Wait until no entry-service worker is alive, at most ``max_deadline_ms`` + ``RUNNER_EXIT_MARGIN_S``.
+
+        The entry service drains its admitted requests for up to ``max_deadline_ms``
+        and calls this runner meanwhile; a runner that exited at once would leave
+        them without a model.
+        """
+        limit_s = self.max_deadline_ms / 1000 + RUNNER_EXIT_MARGIN_S
+        lifecycle_log.info("%s runner: signal %d, serving until the entry service has exited (at most %.0f s)",
+                    self.role, signum, limit_s)
+        started = time.monotonic()
+        if await wait_for_entry_workers(limit_s):
+            lifecycle_log.info("%s runner: entry service gone after %.1f s; exiting", self.role, time.monotonic() - started)
+        else:
+            lifecycle_log.warning("%s runner: entry service still running after %.0f s; exiting anyway", self.role, limit_s)
 
     def run_bucket(self, bucket_name: str, items: list[RunnerItem]) -> list[RunnerResult]:
         """Compute one adaptive batch of ``bucket_name`` items; returns one result per item."""

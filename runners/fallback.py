@@ -35,5 +35,6 @@ class Fallback(BucketedRunner):
             FaultInjector("fallback", FaultSpec(error_rate=settings.fault_fallback_error_rate), settings.fault_file),
             settings.fallback_max_batch_size,
             settings.fallback_nice,
+            settings.max_deadline_ms,
         )
         self.warm_up()

@@ -44,5 +44,6 @@ class Primary(BucketedRunner):
             ),
             settings.primary_max_batch_size,
             settings.primary_nice,
+            settings.max_deadline_ms,
         )
         self.warm_up()
