@@ -70,7 +70,11 @@ class _Abandoned(Exception):
 
 def _serve(conn, nice: int) -> None:
     """A worker process: run ``(fn, args)`` from ``conn`` and send back ``("ok", result)`` or ``("error", exc)``."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C on `bentoml serve` is the parent's to handle
+    # Ctrl-C and SIGTERM on `bentoml serve` are the parent's to handle: during its graceful drain
+    # (rampart.lifecycle) circus signals the API worker's children too, and decoding must go on.
+    # The worker still ends with its parent: the pipe closes and ``recv`` raises EOFError.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if nice > 0:
         try:
             os.setpriority(os.PRIO_PROCESS, 0, nice)
