@@ -8,9 +8,9 @@ Used by ``bench/decode_bench`` and the tests. Every builder returns ``bytes``:
   8000 scans is about 0.2 MB and costs tens of seconds.
 - ``many_frames(fmt, frames)``: ``frames`` tiny frames in GIF, APNG, WebP, TIFF or
   MPO (Pillow's own encoders; GIF on a 7000×7000 screen, by hand).
-- ``many_chunks(fmt, chunks)``: a small real photo behind ``chunks`` empty
-  containers units a parser steps through one by one: JPEG COM segments, PNG
-  private chunks or GIF comment extensions.
+- ``many_chunks(fmt, chunks)``: a small noise image behind ``chunks`` empty
+  units a parser steps through one by one: JPEG COM segments, PNG private
+  chunks or GIF comment extensions.
 """
 
 from __future__ import annotations
