@@ -10,8 +10,9 @@
 
 Busy is not broken. Load shedding is not a failure: only calls that reached the
 model count. The pipeline counts a timeout as a failure only when the runner
-sent nothing back at all while the call waited: no answer, not even a late one
-for a caller that had given up, and no TTL drop (see
+sent nothing back at all while the call waited (no answer, not even a late one
+for a caller that had given up, and no TTL drop) and has been silent for longer
+than two full batches at its last measured speed (see
 ``rampart.pipeline.ModelLane``). An overloaded model keeps answering, only not
 in time for everyone, so overload alone never opens the breaker; a hung model
 (nothing comes back) or a failing one (errors) does. A model that is merely slow
