@@ -344,6 +344,7 @@ class Rampart:
             if counters:
                 lane.gate.meter.seed(counters["warmup_ms_per_image"])
                 warmup[role] = counters.get("warmup_s", 0.0)
+        await self.classifier.warm_up_decoders()
         self.lifecycle.mark_ready()
         since_start_s = time.time() - psutil.Process().create_time()
         lifecycle_log.info("Rampart ready: both runners warm %.1f s after this worker started (warm-up: %s)",
