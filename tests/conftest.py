@@ -87,16 +87,29 @@ class Server:
         self._log.close()
 
 
-@pytest.fixture(scope="session")
+def launch(tmp_path_factory, env: dict[str, str]) -> Server:
+    """A ready ``Server`` with extra environment ``env``; stopped again if it never gets ready."""
+    server = Server({k: str(v) for k, v in env.items()}, tmp_path_factory.mktemp("serve") / "serve.log")
+    try:
+        server.wait_ready()
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+@pytest.fixture(scope="module")
 def start_server(tmp_path_factory):
-    """Start servers with extra environment; all are stopped at the end of the session."""
+    """Start servers with extra environment; each is stopped when the module that started it ends.
+
+    A server takes about 3.5 GB (two models, the API worker, decode workers): kept to the
+    end of the session, the suite's dozen servers would not fit in the CI host's 24 GB.
+    """
     servers: list[Server] = []
 
     def start(**env: str) -> Server:
-        log_path = tmp_path_factory.mktemp("serve") / "serve.log"
-        server = Server({k: str(v) for k, v in env.items()}, log_path)
+        server = launch(tmp_path_factory, env)
         servers.append(server)
-        server.wait_ready()
         return server
 
     yield start
@@ -105,9 +118,11 @@ def start_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def server(start_server) -> Server:
-    """Rampart with its default settings."""
-    return start_server()
+def server(tmp_path_factory):
+    """Rampart with its default settings, shared by every module that needs no other settings."""
+    server = launch(tmp_path_factory, {})
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="session")
