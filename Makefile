@@ -30,8 +30,11 @@ bench: models
 	$(PY) -m bench.load_bench
 	$(PY) -m bench.decode_bench
 
+# The bento's version is bentofile.yaml's labels.version: the image tag deploy/k8s runs.
+BENTO_VERSION = $(shell sed -n 's/^  version: "\(.*\)"/\1/p' bentofile.yaml)
+
 build: models
-	$(VENV)/bin/bentoml build
+	$(VENV)/bin/bentoml build --version $(BENTO_VERSION)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
