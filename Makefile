@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PORT ?= 3000
 
-.PHONY: setup models serve test bench build clean
+.PHONY: setup models serve test bench build clean nginx serve-cluster stop-cluster
 
 setup: $(VENV)/.installed
 
@@ -21,6 +21,21 @@ models: setup
 
 serve: models
 	$(VENV)/bin/bentoml serve service:Rampart --host 127.0.0.1 --port $(PORT)
+
+# Replicas on loopback behind nginx (deploy/cluster.py); RAMPART_* settings reach every replica.
+REPLICAS ?= 2
+CLUSTER_PORT ?= 8080
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+nginx:
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || \
+		{ $(SUDO) apt-get update && $(SUDO) apt-get install -y nginx-light; }
+
+serve-cluster: models nginx
+	$(PY) -m deploy.cluster start --replicas $(REPLICAS) --port $(CLUSTER_PORT)
+
+stop-cluster:
+	$(PY) -m deploy.cluster stop
 
 test: models
 	$(PY) -m pytest -q tests

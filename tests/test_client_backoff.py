@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -53,6 +54,7 @@ class SheddingServer:
     decide: object
     arrivals: list[Arrival] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    connections: set = field(default_factory=set)
 
     def __post_init__(self) -> None:
         owner = self
@@ -60,6 +62,10 @@ class SheddingServer:
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
             disable_nagle_algorithm = True  # header and body are separate writes: no 40 ms delayed-ACK stalls
+
+            def setup(self) -> None:
+                super().setup()
+                owner.connections.add(self.connection)
 
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
@@ -84,6 +90,7 @@ class SheddingServer:
                 pass
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.httpd.daemon_threads, self.httpd.block_on_close = True, False  # close() must not wait on keep-alive
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
@@ -91,8 +98,14 @@ class SheddingServer:
         return sum(1 for a in self.arrivals if status is None or a.status == status)
 
     def close(self) -> None:
+        """Stop listening and cut every open connection: a crashed server."""
         self.httpd.shutdown()
         self.httpd.server_close()
+        for connection in list(self.connections):
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed by the other side
 
 
 @pytest.fixture

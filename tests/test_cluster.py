@@ -1,0 +1,155 @@
+"""Two Rampart replicas behind nginx on loopback (deploy/cluster.py): overload, a crash, a drain.
+
+One cluster serves the whole module. It simulates two hosts on one machine: both
+replicas share its 2 cores, so CPU-bound capacity would not add up. Each replica's
+capacity is made latency-bound instead, as a GPU host's is: batches of 2 and an
+injected ``CAPACITY_DELAY_MS`` per batch in both models (the fault file, as in the
+drills), so a replica is limited by its own pipeline, not by the shared CPU.
+
+Timing-sensitive: run under the load lock. Nothing asserts a wall-clock time; the
+single replica's goodput is measured in the same run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from bench.load_bench import free_port
+from bench.loadgen import closed_loop, load_bodies, open_loop, summarize
+from deploy.cluster import Cluster, Nginx, nginx_binary
+from tests.conftest import SLACK_MS
+from tests.test_client_backoff import SheddingServer
+
+CAPACITY_DELAY_MS = 250
+REPLICA_ENV = {"RAMPART_PRIMARY_MAX_BATCH_SIZE": "2", "RAMPART_FALLBACK_MAX_BATCH_SIZE": "2"}
+CAPACITY_CLIENTS = 16
+CAPACITY_SECONDS = 5.0
+OVERLOAD_FACTOR = 5.0
+OVERLOAD_SECONDS = 8.0
+FAULT_SECONDS = 8.0
+FAULT_AT_S = 3.0
+DEADLINE_MS = 1000
+
+pytestmark = pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed (`make nginx` installs it)")
+
+
+def test_load_balancer_rules_with_injected_answers(tmp_path):
+    """The load-balancer rules alone, with two small servers whose answers are injected."""
+    answers = {"busy": (429, 7), "draining": (503, 3)}
+    first = SheddingServer(lambda arrival: answers["first"])
+    second = SheddingServer(lambda arrival: answers["second"])
+    nginx = Nginx(tmp_path, free_port())
+    nginx.configure([int(first.url.rsplit(":", 1)[1]), int(second.url.rsplit(":", 1)[1])])
+    nginx.start()
+    try:
+        def post() -> httpx.Response:
+            return httpx.post(f"{nginx.url}/classify", content=b"image bytes", timeout=10)
+
+        answers.update(first=answers["busy"], second=(200, None))
+        for _ in range(4):  # whichever replica least_conn picks first, the answer is the free one's
+            assert post().status_code == 200
+        answers.update(first=answers["draining"], second=answers["busy"])
+        before = len(first.arrivals) + len(second.arrivals)
+        both = post()  # every replica refused: the last one's answer and Retry-After pass through
+        assert len(first.arrivals) + len(second.arrivals) - before == 2  # each replica tried once, no more
+        expected = {503: ("3", "unavailable"), 429: ("7", "overloaded")}[both.status_code]
+        assert (both.headers["Retry-After"], both.json()["error"]["code"]) == expected
+        first.close()
+        answers.update(second=(200, None))
+        assert all(post().status_code == 200 for _ in range(4))  # a dead replica: connection refused, next one
+        second.close()
+        gone = post()
+        assert gone.status_code == 503 and gone.headers["Retry-After"] == "1"
+        assert gone.json()["error"]["code"] == "unavailable"  # JSON in Rampart's shape, not nginx's HTML page
+    finally:
+        nginx.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("cluster")
+    faults = run_dir / "faults.json"
+    faults.write_text(json.dumps({"fault_primary_delay_ms": CAPACITY_DELAY_MS,
+                                  "fault_fallback_delay_ms": CAPACITY_DELAY_MS}))
+    cluster = Cluster(run_dir, replicas=2, port=free_port(), env={**REPLICA_ENV, "RAMPART_FAULT_FILE": str(faults)})
+    cluster.start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def capacity(cluster) -> float:
+    """One replica's closed-loop capacity (requests/s answered 200), measured on replica 0 directly."""
+    samples = asyncio.run(closed_loop(f"{cluster.replicas[0].url}/classify", load_bodies(), CAPACITY_CLIENTS,
+                                      CAPACITY_SECONDS, deadline_ms=DEADLINE_MS))
+    result = summarize(samples, CAPACITY_SECONDS)
+    assert result["errors_5xx"] == 0 and result["throughput_rps"] > 0, result
+    return result["throughput_rps"]
+
+
+def overload(url: str, rate: float, seconds: float, at_s: float | None = None, action=None):
+    """Open-loop Poisson load on ``url``; ``action()`` runs ``at_s`` seconds in, on a thread."""
+    timer = threading.Timer(at_s, action) if action else None
+    if timer:
+        timer.start()
+    try:
+        return asyncio.run(open_loop(f"{url}/classify", load_bodies(), rate, seconds, deadline_ms=DEADLINE_MS, seed=3))
+    finally:
+        if timer:
+            timer.join()
+
+
+def test_two_replicas_behind_nginx_serve_more_under_five_times_overload(cluster, capacity):
+    rate = OVERLOAD_FACTOR * capacity
+    single = summarize(overload(cluster.replicas[0].url, rate, OVERLOAD_SECONDS), OVERLOAD_SECONDS, slack_ms=SLACK_MS)
+    samples = overload(cluster.url, rate, OVERLOAD_SECONDS)
+    both = summarize(samples, OVERLOAD_SECONDS, slack_ms=SLACK_MS)
+    report = {"capacity_rps": capacity, "single": single, "cluster": both}
+    assert both["requests"] >= 0.8 * rate * OVERLOAD_SECONDS, report  # the load really was offered
+    assert {s.status for s in samples} <= {200, 429}, report  # no 5xx, nothing lost: a result or a shed
+    assert both["late"] == 0, report
+    assert both["goodput_rps"] >= 1.6 * single["goodput_rps"], report
+    retried = [line for line in cluster.nginx.access_log.read_text().splitlines() if '"429, ' in line]
+    assert retried, "nginx never passed a 429 on to the other replica"
+
+
+def test_sigkill_of_one_replica_mid_load(cluster, capacity):
+    victim = cluster.replicas[1]
+    samples = overload(cluster.url, 2 * capacity, FAULT_SECONDS, FAULT_AT_S, victim.kill)
+    killed_at = FAULT_AT_S  # at the latest: the timer starts before the load's clock does
+    report = summarize(samples, FAULT_SECONDS, slack_ms=SLACK_MS)
+    assert victim.process.poll() is not None, "the replica is still running"
+    assert {s.status for s in samples} <= {200, 429}, report  # the client saw no 5xx and no broken connection
+    after = [s for s in samples if s.sent_s > killed_at + 0.5 and s.status == 200]
+    assert len(after) >= 0.5 * capacity * (FAULT_SECONDS - killed_at - 0.5), report  # the survivor kept answering
+
+
+def test_sigterm_drains_one_replica_mid_load(cluster, capacity):
+    """Needs the graceful drain (SIGTERM: /readyz 503, new requests 503 + Retry-After, admitted ones answered)."""
+    draining = cluster.replace(1)  # the previous test killed replica 1
+    port = f":{draining.port}"
+    signalled = {}
+
+    def terminate() -> None:
+        signalled["at"] = time.time()
+        draining.terminate()
+
+    samples = overload(cluster.url, 2 * capacity, FAULT_SECONDS, FAULT_AT_S, terminate)
+    report = summarize(samples, FAULT_SECONDS, slack_ms=SLACK_MS)
+    # No admitted request lost its answer: each one got a result or a shed, none a 5xx or a reset.
+    assert {s.status for s in samples} <= {200, 429}, report
+    draining.process.wait(timeout=90)
+    # The draining replica itself answered requests after SIGTERM (admitted before it): drained, not dropped.
+    time.sleep(1.5)  # nginx flushes its access log every second
+    answered_after = [
+        line for line in cluster.nginx.access_log.read_text().splitlines()
+        if float(line.split()[0]) > signalled["at"] and line.split()[1] == "200"
+        and line.split('"')[1].split(", ")[-1].endswith(port)
+    ]
+    assert answered_after, (report, draining.log()[-2000:])
