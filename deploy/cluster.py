@@ -120,8 +120,9 @@ class Replica:
         self.process.wait(timeout=30)
 
     def terminate(self) -> None:
-        """SIGTERM every process of the replica: what Kubernetes sends after preStop; returns at once."""
-        signal_tree(self.pid, signal.SIGTERM)
+        """SIGTERM ``bentoml serve`` alone, as Kubernetes signals a container's first process after
+        preStop; it stops its workers itself. Returns at once."""
+        self.process.send_signal(signal.SIGTERM)
 
     def stop(self) -> None:
         stop_tree(self.pid)
@@ -206,11 +207,15 @@ class Cluster:
             self.stop()
             raise
 
-    def replace(self, index: int) -> Replica:
-        """Start a new replica in place of replica ``index`` (dead or drained), wait for it, point nginx at it."""
-        replica = Replica(f"replica{index}-{int(time.time())}", self.run_dir, self.env)
-        self.replicas[index] = replica
+    def spawn(self, index: int) -> Replica:
+        """Start (not wait for) a successor to replica ``index``; ``install`` puts it in rotation."""
+        return Replica(f"replica{index}-{time.time_ns()}", self.run_dir, self.env)
+
+    def install(self, index: int, replica: Replica) -> Replica:
+        """Wait for ``replica`` to be ready, then put it in place of replica ``index`` (dead or drained)
+        and point nginx at the new set without dropping a connection."""
         replica.wait_ready()
+        self.replicas[index] = replica
         self.nginx.reload([r.port for r in self.replicas])
         self.save()
         return replica

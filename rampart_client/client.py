@@ -122,8 +122,9 @@ def _transport_error(exc: httpx.HTTPError) -> ServiceError:
 class Client:
     """A synchronous client for a Rampart server at ``url``; use as a context manager or ``close()``.
 
-    ``backoff`` sets the adaptive throttling and retries (``rampart_client.backoff``;
-    ``BackoffPolicy.disabled()``: one attempt, no local rejection); ``backoff_stats()`` counts them.
+    ``backoff`` sets the adaptive throttling and retries (``rampart_client.backoff``; None: the
+    defaults; ``BackoffPolicy.disabled()``: one attempt, no local rejection); ``backoff_stats()``
+    counts them. A client's history is its own: share one client rather than making one per request.
     """
 
     def __init__(self, url: str = "http://127.0.0.1:3000", timeout: float = DEFAULT_TIMEOUT_S,
