@@ -7,8 +7,9 @@ keeps the client's share of that waste bounded, with three rules:
 - **Adaptive throttling** (Google SRE book, "Handling Overload", client-side
   throttling): over a sliding window the client counts ``requests`` (every attempt
   the application made, including those it refused itself) and ``accepts`` (attempts
-  the server took: anything but an overload refusal or a transport failure). A new
-  attempt is refused locally, raising ``Throttled``, with probability
+  the server took: anything but an overload refusal or a transport failure). An attempt
+  counts once its outcome is known, so requests still in flight do not look like refusals
+  to a burst of concurrent calls. A new attempt is refused locally, raising ``Throttled``, with probability
   ``max(0, (requests - K * accepts) / (requests + 1))``, K = 2; so in a sustained
   overload the server receives about K times what it accepts.
 - **Retry budget**: at most ``max_attempts`` (3) attempts per call, and retries at
@@ -233,9 +234,8 @@ class Call:
         b = self.backoff
         probability = b.reject_probability() if b.policy.throttle else 0.0
         with b._lock:
-            b._count(requests=1)
             if probability > 0 and b.rng.random() < probability:
-                b._count(throttled=1)
+                b._count(requests=1, throttled=1)
                 raise Throttled(
                     f"refused by the client's adaptive throttle (p={probability:.2f}): the service is shedding",
                     retry_after=1.0, code="client_throttled",
@@ -251,19 +251,20 @@ class Call:
     def succeeded(self) -> None:
         """The attempt got an answer the server took (a result, or a 4xx about the request)."""
         with self.backoff._lock:
-            self.backoff._count(accepts=1)
+            self.backoff._count(requests=1, accepts=1)
 
     def failed(self, error: RampartClientError) -> float | None:
         """Seconds to wait before the next attempt, or None: give up and raise ``error``."""
         b, policy = self.backoff, self.backoff.policy
         if isinstance(error, Throttled):
-            return None  # refused locally: the throttle's answer stands for this call
+            return None  # refused locally (already counted): the throttle's answer stands for this call
         retryable = isinstance(error, Overloaded) or (
             isinstance(error, ServiceError) and error.status in RETRYABLE_SERVICE_STATUSES)
         with b._lock:
             if not retryable:
-                b._count(accepts=1)  # the server took it and answered about the request itself
+                b._count(requests=1, accepts=1)  # the server took it and answered about the request itself
                 return None
+            b._count(requests=1)
             if self.attempts >= policy.max_attempts:
                 b._count(retries_denied_attempts=1)
                 return None

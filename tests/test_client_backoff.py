@@ -145,11 +145,15 @@ def token_bucket(rate_per_s: float, burst: float, retry_after: float = 1.0):
 def test_reject_probability_is_the_sre_formula_over_a_sliding_window():
     now = [0.0]
     backoff = Backoff(BackoffPolicy(window_s=10, throttle=False), clock=lambda: now[0])  # counts, never refuses
-    for i in range(10):
-        call = backoff.start(1000)
+    in_flight = [backoff.start(1000) for _ in range(10)]
+    for call in in_flight:
         call.begin_attempt()
+    assert backoff.reject_probability() == 0.0  # requests count once answered: a burst is not a refusal
+    for i, call in enumerate(in_flight):
         if i < 2:
             call.succeeded()
+        else:
+            call.failed(Overloaded("full", retry_after=1.0, status=429))
     assert backoff.reject_probability() == pytest.approx((10 - 2 * 2) / (10 + 1))
     now[0] = 11.5  # everything left the window
     assert backoff.reject_probability() == 0.0
