@@ -37,7 +37,7 @@ serve-cluster: models nginx
 stop-cluster:
 	$(PY) -m deploy.cluster stop
 
-test: models
+test: models nginx
 	$(PY) -m pytest -q tests
 
 # The load benchmark (about 10 minutes on 2 CPU cores) and the decode benchmark.
