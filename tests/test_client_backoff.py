@@ -91,6 +91,7 @@ class SheddingServer:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
         self.httpd.daemon_threads, self.httpd.block_on_close = True, False  # close() must not wait on keep-alive
+        self.httpd.handle_error = lambda request, address: None  # a connection cut by close() is the point
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
