@@ -148,17 +148,23 @@ def test_sigterm_drains_one_replica_mid_load(cluster, capacity):
     port = f":{draining.port}"
     body = load_bodies()[0]
     signalled, in_flight = {}, []
+    # One client per sender with its connection open before the load starts, so that on a busy
+    # machine the requests reach the replica within the 0.2 s before the signal (no client or
+    # connection set-up then).
+    clients = [httpx.Client(timeout=30) for _ in range(IN_FLIGHT)]
+    for client in clients:
+        assert client.get(f"{draining.url}/livez").status_code == 200
 
-    def send_direct() -> None:  # straight to the replica: nginx must not resend what it drops
+    def send_direct(client: httpx.Client) -> None:  # straight to the replica: nginx must not resend what it drops
         try:
-            response = httpx.post(f"{draining.url}/classify", content=unique(body), timeout=30,
-                                  headers={"X-Priority": "high", "X-Deadline-Ms": "2000"})
+            response = client.post(f"{draining.url}/classify", content=unique(body),
+                                   headers={"X-Priority": "high", "X-Deadline-Ms": "2000"})
             in_flight.append((response.status_code, response.json().get("degraded_reason")))
         except (httpx.HTTPError, ValueError) as exc:  # dropped: reset, refused, or not JSON
             in_flight.append((0, f"{type(exc).__name__}: {exc}"))
 
     def terminate() -> None:
-        senders = [threading.Thread(target=send_direct) for _ in range(IN_FLIGHT)]
+        senders = [threading.Thread(target=send_direct, args=(client,)) for client in clients]
         for sender in senders:
             sender.start()
         time.sleep(0.2)  # their bodies are in and their places taken: admitted
@@ -168,7 +174,11 @@ def test_sigterm_drains_one_replica_mid_load(cluster, capacity):
         for sender in senders:
             sender.join()
 
-    samples = overload(cluster.url, 2 * capacity, FAULT_SECONDS, FAULT_AT_S, terminate)
+    try:
+        samples = overload(cluster.url, 2 * capacity, FAULT_SECONDS, FAULT_AT_S, terminate)
+    finally:
+        for client in clients:
+            client.close()
     report = summarize(samples, FAULT_SECONDS, slack_ms=SLACK_MS)
     # Through nginx, every request got a result or a shed, none a 5xx or a reset.
     assert {s.status for s in samples} <= {200, 429}, (report, odd_lines(cluster), draining.log()[-2000:])
