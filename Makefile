@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PORT ?= 3000
 
-.PHONY: setup models serve test bench build clean
+.PHONY: setup models serve test bench build clean nginx serve-cluster stop-cluster
 
 setup: $(VENV)/.installed
 
@@ -22,7 +22,22 @@ models: setup
 serve: models
 	$(VENV)/bin/bentoml serve service:Rampart --host 127.0.0.1 --port $(PORT)
 
-test: models
+# Replicas on loopback behind nginx (deploy/cluster.py); RAMPART_* settings reach every replica.
+REPLICAS ?= 2
+CLUSTER_PORT ?= 8080
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+nginx:
+	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || \
+		{ $(SUDO) apt-get update && $(SUDO) apt-get install -y nginx-light; }
+
+serve-cluster: models nginx
+	$(PY) -m deploy.cluster start --replicas $(REPLICAS) --port $(CLUSTER_PORT)
+
+stop-cluster:
+	$(PY) -m deploy.cluster stop
+
+test: models nginx
 	$(PY) -m pytest -q tests
 
 # The load benchmark (about 10 minutes on 2 CPU cores) and the decode benchmark.
@@ -30,8 +45,11 @@ bench: models
 	$(PY) -m bench.load_bench
 	$(PY) -m bench.decode_bench
 
+# The bento's version is bentofile.yaml's labels.version: the image tag deploy/k8s runs.
+BENTO_VERSION = $(shell sed -n 's/^  version: "\(.*\)"/\1/p' bentofile.yaml)
+
 build: models
-	$(VENV)/bin/bentoml build
+	$(VENV)/bin/bentoml build --version $(BENTO_VERSION)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

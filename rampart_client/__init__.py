@@ -2,11 +2,13 @@
 
 ``Client`` / ``AsyncClient`` call a Rampart server; ``Prediction`` is the answer;
 ``ImageRejected`` (4xx), ``Overloaded`` (429, ``retry_after``) and ``ServiceError``
-are the errors. ``python -m rampart_client classify IMG...`` prints top labels.
+are the errors; ``BackoffPolicy`` sets the client's adaptive throttling and retries
+(``Throttled``: refused locally). ``python -m rampart_client classify IMG...`` prints top labels.
 """
 
+from .backoff import BackoffPolicy
 from .client import AsyncClient, Client
-from .errors import ImageRejected, Overloaded, RampartClientError, ServiceError
+from .errors import ImageRejected, Overloaded, RampartClientError, ServiceError, Throttled
 from .models import Label, ModelInfo, Prediction, Timings
 
 __all__ = [
@@ -19,5 +21,7 @@ __all__ = [
     "RampartClientError",
     "ImageRejected",
     "Overloaded",
+    "Throttled",
     "ServiceError",
+    "BackoffPolicy",
 ]

@@ -25,6 +25,7 @@ from typing import Union
 import httpx
 from pydantic import ValidationError
 
+from .backoff import Backoff, BackoffPolicy
 from .errors import ImageRejected, Overloaded, RampartClientError, ServiceError
 from .models import Prediction
 
@@ -67,6 +68,14 @@ def _batch_files(images: list[ImageInput]) -> list[tuple[str, tuple[str, bytes, 
     return [("images", (f"image{i}", image_bytes(img), "application/octet-stream")) for i, img in enumerate(images)]
 
 
+def _retry_after_s(headers: httpx.Headers | dict | None, default: float | None) -> float | None:
+    """The ``Retry-After`` header in seconds (Rampart sends whole seconds); ``default`` if absent or a date."""
+    try:
+        return float((headers or {}).get("retry-after", ""))
+    except ValueError:
+        return default
+
+
 def error_from_body(status: int | None, body: dict, headers: httpx.Headers | None = None) -> RampartClientError:
     """The client error for an error body ``{"error": {"code", "message", "request_id"}}``."""
     error = body.get("error") if isinstance(body, dict) else None
@@ -75,11 +84,10 @@ def error_from_body(status: int | None, body: dict, headers: httpx.Headers | Non
     fields = {"status": status, "code": str(error.get("code", "")), "request_id": str(error.get("request_id", ""))}
     message = str(error.get("message", ""))
     if status == 429:
-        retry_after = float((headers or {}).get("retry-after", "1") or 1)
-        return Overloaded(message, retry_after=retry_after, **fields)
+        return Overloaded(message, retry_after=_retry_after_s(headers, 1.0), **fields)
     if status is not None and 400 <= status < 500:
         return ImageRejected(message, **fields)
-    return ServiceError(message, **fields)
+    return ServiceError(message, retry_after=_retry_after_s(headers, None), **fields)  # a draining replica's 503
 
 
 def _json(response: httpx.Response) -> dict:
@@ -121,35 +129,56 @@ def _transport_error(exc: Exception) -> ServiceError:
 
 
 class Client:
-    """A synchronous client for a Rampart server at ``url``; use as a context manager or ``close()``."""
+    """A synchronous client for a Rampart server at ``url``; use as a context manager or ``close()``.
 
-    def __init__(self, url: str = "http://127.0.0.1:3000", timeout: float = DEFAULT_TIMEOUT_S, **httpx_kwargs) -> None:
+    ``backoff`` sets the adaptive throttling and retries (``rampart_client.backoff``; None: the
+    defaults; ``BackoffPolicy.disabled()``: one attempt, no local rejection); ``backoff_stats()``
+    counts them. A client's history is its own: share one client rather than making one per request.
+    """
+
+    def __init__(self, url: str = "http://127.0.0.1:3000", timeout: float = DEFAULT_TIMEOUT_S,
+                 backoff: BackoffPolicy | None = None, **httpx_kwargs) -> None:
         self._http = httpx.Client(base_url=url, timeout=timeout, **httpx_kwargs)
+        self.backoff = Backoff(backoff)
+
+    def backoff_stats(self) -> dict:
+        """The client's back-off counters (``Backoff.stats``)."""
+        return self.backoff.stats()
 
     def classify(
         self, image: ImageInput, top_k: int = 5, deadline_ms: float | None = None, request_id: str | None = None,
         priority: str | None = None,
     ) -> Prediction:
-        """Classify one image. Raises ``ImageRejected``, ``Overloaded`` or ``ServiceError``."""
-        try:
-            response = self._http.post(
-                "/classify", content=image_bytes(image), params={"top_k": top_k}, headers=_headers(deadline_ms, request_id, priority)
-            )
-        except httpx.HTTPError as exc:
-            raise _transport_error(exc) from exc
-        return parse_prediction(response)
+        """Classify one image. Raises ``ImageRejected``, ``Overloaded`` (``Throttled``) or ``ServiceError``."""
+        content = image_bytes(image)
+
+        def send(deadline: float | None) -> Prediction:
+            try:
+                response = self._http.post(
+                    "/classify", content=content, params={"top_k": top_k}, headers=_headers(deadline, request_id, priority)
+                )
+            except httpx.HTTPError as exc:
+                raise _transport_error(exc) from exc
+            return parse_prediction(response)
+
+        return self.backoff.call_sync(send, deadline_ms)
 
     def classify_batch(
         self, images: list[ImageInput], top_k: int = 5, deadline_ms: float | None = None, priority: str | None = None
     ) -> list[Prediction | RampartClientError]:
         """Classify several images in one request; a refused image yields its error in place."""
-        headers = _headers(deadline_ms, None, priority)
-        headers.pop("Content-Type")
-        try:
-            response = self._http.post("/classify_batch", files=_batch_files(images), params={"top_k": top_k}, headers=headers)
-        except httpx.HTTPError as exc:
-            raise _transport_error(exc) from exc
-        return parse_batch(response)
+        files = _batch_files(images)
+
+        def send(deadline: float | None) -> list[Prediction | RampartClientError]:
+            headers = _headers(deadline, None, priority)
+            headers.pop("Content-Type")
+            try:
+                response = self._http.post("/classify_batch", files=files, params={"top_k": top_k}, headers=headers)
+            except httpx.HTTPError as exc:
+                raise _transport_error(exc) from exc
+            return parse_batch(response)
+
+        return self.backoff.call_sync(send, deadline_ms)
 
     def close(self) -> None:
         self._http.close()
@@ -220,7 +249,9 @@ class AsyncClient:
     """
 
     def __init__(self, url: str = "http://127.0.0.1:3000", timeout: float = DEFAULT_TIMEOUT_S,
-                 transport: str = "aiohttp", max_connections: int = DEFAULT_MAX_CONNECTIONS, **httpx_kwargs) -> None:
+                 transport: str = "aiohttp", max_connections: int = DEFAULT_MAX_CONNECTIONS,
+                 backoff: BackoffPolicy | None = None, **httpx_kwargs) -> None:
+        self.backoff = Backoff(backoff)
         if transport not in ("aiohttp", "httpx"):
             raise ValueError(f"transport must be 'aiohttp' or 'httpx', got {transport!r}")
         if transport == "httpx" or httpx_kwargs:
@@ -230,32 +261,44 @@ class AsyncClient:
         else:
             self._http = _AiohttpTransport(url, timeout, max_connections)
 
+    def backoff_stats(self) -> dict:
+        """The client's back-off counters (``Backoff.stats``)."""
+        return self.backoff.stats()
+
     async def classify(
         self, image: ImageInput, top_k: int = 5, deadline_ms: float | None = None, request_id: str | None = None,
         priority: str | None = None,
     ) -> Prediction:
-        """Classify one image. Raises ``ImageRejected``, ``Overloaded`` or ``ServiceError``."""
-        try:
-            response = await self._http.post(
-                "/classify", content=image_bytes(image), params={"top_k": top_k}, headers=_headers(deadline_ms, request_id, priority)
-            )
-        except self._http.errors as exc:
-            raise _transport_error(exc) from exc
-        return parse_prediction(response)
+        """Classify one image. Raises ``ImageRejected``, ``Overloaded`` (``Throttled``) or ``ServiceError``."""
+        content = image_bytes(image)
+
+        async def send(deadline: float | None) -> Prediction:
+            try:
+                response = await self._http.post(
+                    "/classify", content=content, params={"top_k": top_k}, headers=_headers(deadline, request_id, priority)
+                )
+            except self._http.errors as exc:
+                raise _transport_error(exc) from exc
+            return parse_prediction(response)
+
+        return await self.backoff.call_async(send, deadline_ms)
 
     async def classify_batch(
         self, images: list[ImageInput], top_k: int = 5, deadline_ms: float | None = None, priority: str | None = None
     ) -> list[Prediction | RampartClientError]:
         """Classify several images in one request; a refused image yields its error in place."""
-        headers = _headers(deadline_ms, None, priority)
-        headers.pop("Content-Type")
-        try:
-            response = await self._http.post(
-                "/classify_batch", files=_batch_files(images), params={"top_k": top_k}, headers=headers
-            )
-        except self._http.errors as exc:
-            raise _transport_error(exc) from exc
-        return parse_batch(response)
+        files = _batch_files(images)
+
+        async def send(deadline: float | None) -> list[Prediction | RampartClientError]:
+            headers = _headers(deadline, None, priority)
+            headers.pop("Content-Type")
+            try:
+                response = await self._http.post("/classify_batch", files=files, params={"top_k": top_k}, headers=headers)
+            except self._http.errors as exc:
+                raise _transport_error(exc) from exc
+            return parse_batch(response)
+
+        return await self.backoff.call_async(send, deadline_ms)
 
     async def aclose(self) -> None:
         await self._http.aclose()

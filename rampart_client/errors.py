@@ -5,12 +5,13 @@
     RampartClientError
     ├── ImageRejected     a 4xx: the request or image was refused; ``code`` says why
     ├── Overloaded        a 429: retry after ``retry_after`` seconds
+    │   └── Throttled     refused by the client itself (adaptive throttling, rampart_client.backoff)
     └── ServiceError      anything else: 5xx, a broken connection, a timeout, a bad body
 """
 
 from __future__ import annotations
 
-__all__ = ["RampartClientError", "ImageRejected", "Overloaded", "ServiceError"]
+__all__ = ["RampartClientError", "ImageRejected", "Overloaded", "Throttled", "ServiceError"]
 
 
 class RampartClientError(Exception):
@@ -36,5 +37,14 @@ class Overloaded(RampartClientError):
         self.retry_after = retry_after
 
 
+class Throttled(Overloaded):
+    """Never sent: the client's adaptive throttle refused the request because the service is shedding."""
+
+
 class ServiceError(RampartClientError):
-    """A 5xx, a transport failure or an unreadable response."""
+    """A 5xx, a transport failure (``status`` None) or an unreadable response; ``retry_after`` in
+    seconds when the server sent ``Retry-After`` (a draining replica's 503), else None."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None, **kwargs) -> None:
+        super().__init__(message, **kwargs)
+        self.retry_after = retry_after

@@ -87,17 +87,26 @@ def test_request_id_server_timing_and_one_json_log_line(server):
     assert json.loads(bad_line)["code"] == "empty_body"
 
 
-def test_every_metric_the_grafana_dashboard_queries_exists(server):
-    dashboard = json.loads((ROOT / "grafana" / "rampart-dashboard.json").read_text())
-    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel["targets"]]
+def queried_metrics(exprs: list[str]) -> set[str]:
+    """The ``rampart_*`` / ``bentoml_*`` sample names that PromQL expressions ``exprs`` read."""
     unquoted = [re.sub(r'"[^"]*"', '""', expr) for expr in exprs]  # label values are not metric names
-    queried = {name for expr in unquoted for name in re.findall(r"\b((?:rampart|bentoml)_[a-z0-9_]+)", expr)}
-    assert len(queried) >= 15
-    available = set(scrape(server))
-    # The GPU gauges get values only where CUDA is present; on CPU they are only declared.
+    return {name for expr in unquoted for name in re.findall(r"\b((?:rampart|bentoml)_[a-z0-9_]+)", expr)}
+
+
+def missing_metrics(server, queried: set[str]) -> set[str]:
+    """The names in ``queried`` that the server's /metrics lacks (GPU-only gauges excused on CPU)."""
     from rampart import metrics
 
+    # The GPU gauges get values only where CUDA is present; on CPU they are only declared.
     gpu_only = {g.describe()[0].name for g in (metrics.GPU_MEMORY_USED, metrics.GPU_MEMORY_TOTAL)}
-    assert gpu_only <= queried
-    missing = {name for name in queried - gpu_only if name not in available}
+    available = set(scrape(server))
+    return {name for name in queried - gpu_only if name not in available}
+
+
+def test_every_metric_the_grafana_dashboard_queries_exists(server):
+    dashboard = json.loads((ROOT / "grafana" / "rampart-dashboard.json").read_text())
+    queried = queried_metrics([target["expr"] for panel in dashboard["panels"] for target in panel["targets"]])
+    assert len(queried) >= 15
+    assert {"rampart_gpu_memory_used_bytes", "rampart_gpu_memory_total_bytes"} <= queried
+    missing = missing_metrics(server, queried)
     assert not missing, f"the dashboard queries metrics that /metrics lacks: {missing}"

@@ -1,0 +1,303 @@
+"""The client's back-off (rampart_client.backoff) against a small real HTTP server that sheds on purpose,
+and the SDK as a package installed in a fresh venv.
+
+The server here is a plain ``http.server`` on 127.0.0.1 whose capacity and failures
+are injected (a token bucket, 429 + Retry-After, 503): the overload is a fault put
+there on purpose, so each rule of the policy is seen on the wire, in seconds, not
+minutes of a real overload. Rampart itself answers the SDK in tests/test_client.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import threading
+import time
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from bench.load_bench import free_port
+from rampart_client import AsyncClient, BackoffPolicy, Client, Overloaded, ServiceError, Throttled
+from rampart_client.backoff import Backoff
+from tests.conftest import ROOT, encode, photo
+
+PREDICTION = {
+    "request_id": "stub", "labels": [{"index": 967, "label": "espresso", "score": 0.9}],
+    "model": {"name": "stub", "version": "1"}, "degraded": False, "degraded_reason": None,
+    "timings_ms": {"decode": 1.0, "queue": 0.0, "inference": 1.0, "total": 2.0},
+}
+
+
+@dataclass
+class Arrival:
+    """One request as the server saw it: ``at`` (monotonic s), ``request_id``, ``deadline_ms`` header, status sent."""
+
+    at: float
+    request_id: str | None
+    deadline_ms: float | None
+    status: int = 0
+
+
+@dataclass
+class SheddingServer:
+    """A real HTTP server whose answer to each request is ``decide(arrival) -> (status, retry_after)``."""
+
+    decide: object
+    arrivals: list[Arrival] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    connections: set = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        owner = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+            disable_nagle_algorithm = True  # header and body are separate writes: no 40 ms delayed-ACK stalls
+
+            def setup(self) -> None:
+                super().setup()
+                owner.connections.add(self.connection)
+
+            def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                header = self.headers.get("X-Deadline-Ms")
+                arrival = Arrival(time.monotonic(), self.headers.get("X-Request-Id"), float(header) if header else None)
+                with owner.lock:
+                    status, retry_after = owner.decide(arrival)
+                    arrival.status = status
+                    owner.arrivals.append(arrival)
+                body = PREDICTION if status == 200 else {"error": {"code": "overloaded" if status == 429 else
+                                                                   "unavailable", "message": "injected", "request_id": ""}}
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                if retry_after is not None:
+                    self.send_header("Retry-After", str(retry_after))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self.httpd.daemon_threads, self.httpd.block_on_close = True, False  # close() must not wait on keep-alive
+        self.httpd.handle_error = lambda request, address: None  # a connection cut by close() is the point
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def count(self, status: int | None = None) -> int:
+        return sum(1 for a in self.arrivals if status is None or a.status == status)
+
+    def close(self) -> None:
+        """Stop listening and cut every open connection: a crashed server."""
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        for connection in list(self.connections):
+            try:
+                connection.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # already closed by the other side
+
+
+@pytest.fixture
+def serve():
+    servers: list[SheddingServer] = []
+
+    def start(decide) -> SheddingServer:
+        servers.append(SheddingServer(decide))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+IMAGE = b"\xff\xd8 stub bytes: the stub server does not decode"
+#: A retry budget that never binds (10 retries per call), to see the other rules alone.
+NO_BUDGET = BackoffPolicy(throttle=False, retry_budget_ratio=10.0)
+
+
+def token_bucket(rate_per_s: float, burst: float, retry_after: float = 1.0):
+    """A capacity of ``rate_per_s`` accepted requests per second with room for ``burst`` at once
+    (Rampart's queue: throughput x queue delay); the rest get 429 with ``Retry-After``."""
+    state = {"tokens": burst, "at": time.monotonic()}
+
+    def decide(arrival: Arrival):
+        state["tokens"] = min(burst, state["tokens"] + (arrival.at - state["at"]) * rate_per_s)
+        state["at"] = arrival.at
+        if state["tokens"] >= 1.0:
+            state["tokens"] -= 1.0
+            return 200, None
+        return 429, retry_after
+
+    return decide
+
+
+def test_reject_probability_is_the_sre_formula_over_a_sliding_window():
+    now = [0.0]
+    backoff = Backoff(BackoffPolicy(window_s=10, throttle=False), clock=lambda: now[0])  # counts, never refuses
+    in_flight = [backoff.start(1000) for _ in range(10)]
+    for call in in_flight:
+        call.begin_attempt()
+    assert backoff.reject_probability() == 0.0  # requests count once answered: a burst is not a refusal
+    for i, call in enumerate(in_flight):
+        if i < 2:
+            call.succeeded()
+        else:
+            call.failed(Overloaded("full", retry_after=1.0, status=429))
+    assert backoff.reject_probability() == pytest.approx((10 - 2 * 2) / (10 + 1))
+    now[0] = 11.5  # everything left the window
+    assert backoff.reject_probability() == 0.0
+    with pytest.raises(ValueError, match="max_attempts=0"):
+        BackoffPolicy(max_attempts=0)
+
+
+def test_sustained_overload_throttles_locally_and_bounds_what_the_server_receives(serve):
+    capacity, offered, seconds = 25.0, 250.0, 4.0
+    server = serve(token_bucket(capacity, burst=capacity * 0.2))
+    outcomes = []
+    with Client(server.url, timeout=5) as client:
+        start = time.monotonic()
+        for i in range(int(offered * seconds)):
+            time.sleep(max(0.0, start + i / offered - time.monotonic()))
+            try:
+                client.classify(IMAGE, deadline_ms=1000)
+                outcomes.append("ok")
+            except Throttled:
+                outcomes.append("throttled")
+            except Overloaded:
+                outcomes.append("shed")
+        stats = client.backoff_stats()
+    accepted, received = server.count(200), server.count()
+    report = {"accepted": accepted, "received": received, **stats}
+    half = len(outcomes) // 2
+    # Local rejects grow as the window fills with refusals, and take over most of the load.
+    assert outcomes[half:].count("throttled") > outcomes[:half].count("throttled") > 0, report
+    assert stats["throttled"] > 0.5 * len(outcomes) and stats["reject_probability"] > 0.5, report
+    # The SRE bound, once sustained (the first half fills the window): the server receives about
+    # K = 2 times what it accepts (10 times without the throttle). Measured 2.1-2.2: the early
+    # accepts (the burst) still in the window let a little more through.
+    later = [a for a in server.arrivals if a.at >= start + seconds / 2]
+    later_accepted = sum(1 for a in later if a.status == 200)
+    report["second_half"] = (len(later), later_accepted)
+    assert len(later) <= 2.5 * later_accepted, report
+    assert received <= 3 * accepted, report
+    assert accepted >= 0.5 * capacity * seconds, report  # throttling did not starve the capacity there is
+    # Retry-After (1 s) never fits a 1 s deadline: no retry was sent.
+    assert stats["retries"] == 0 and stats["retries_denied_deadline"] > 0, report
+    assert stats["attempts"] == received and stats["accepts"] == accepted, report
+
+
+def test_retries_stay_within_the_budget_and_the_attempt_limit(serve):
+    seen: set[str | None] = set()
+
+    def first_attempt_fails(arrival: Arrival):  # a replica that is gone: 503 without Retry-After
+        first = arrival.request_id not in seen
+        seen.add(arrival.request_id)
+        return (503, None) if first else (200, None)
+
+    server = serve(first_attempt_fails)
+    calls = 200
+    with Client(server.url, timeout=5, backoff=BackoffPolicy(throttle=False)) as client:
+        failed = 0
+        for i in range(calls):
+            try:
+                client.classify(IMAGE, deadline_ms=2000, request_id=f"r{i}")
+            except ServiceError as exc:
+                assert exc.status == 503
+                failed += 1
+        stats = client.backoff_stats()
+    retries_on_the_wire = server.count() - calls
+    assert retries_on_the_wire == stats["retries"] == calls - failed, stats
+    assert 0 < stats["retries"] <= 0.1 * calls, stats  # at most 10% extra load
+    assert stats["retries_denied_budget"] == failed, stats
+
+    always_down = serve(lambda arrival: (503, None))
+    with Client(always_down.url, timeout=5, backoff=NO_BUDGET) as client:
+        with pytest.raises(ServiceError):
+            client.classify(IMAGE, deadline_ms=2000)
+        assert client.backoff_stats()["retries_denied_attempts"] == 1
+    assert always_down.count() == 3  # max_attempts: the first and two retries
+
+
+def test_retry_after_is_honoured_and_no_retry_leaves_after_the_deadline(serve):
+    server = serve(lambda arrival: (429, 0.5))
+    deadline_ms = 1000
+    with Client(server.url, timeout=5, backoff=NO_BUDGET) as client:
+        started = time.monotonic()
+        with pytest.raises(Overloaded) as shed:
+            client.classify(IMAGE, deadline_ms=deadline_ms)
+        stats = client.backoff_stats()
+    assert shed.value.retry_after == 0.5
+    first, second = server.arrivals  # the third attempt would leave after 1 s: denied
+    assert stats["retries"] == 1 and stats["retries_denied_deadline"] == 1, stats
+    assert second.at - first.at >= 0.5  # waited for Retry-After
+    assert first.deadline_ms == deadline_ms
+    # The retry carries what was left of the caller's deadline, and arrives within it.
+    assert 0 < second.deadline_ms <= deadline_ms - 500
+    assert (second.at - started) * 1000 + second.deadline_ms <= deadline_ms + 50
+
+    with Client(f"http://127.0.0.1:{free_port()}", timeout=2, backoff=NO_BUDGET) as nowhere:
+        started = time.monotonic()
+        with pytest.raises(ServiceError):
+            nowhere.classify(IMAGE, deadline_ms=500)  # connection refused: retried at once, jittered
+        assert nowhere.backoff_stats()["retries"] == 2
+        assert time.monotonic() - started < 0.5
+
+
+def test_async_client_retries_a_draining_replica_after_its_retry_after(serve):
+    answers = iter([(503, 0.2), (200, None)])
+    server = serve(lambda arrival: next(answers))
+
+    async def run():
+        async with AsyncClient(server.url, timeout=5, backoff=NO_BUDGET) as client:
+            prediction = await client.classify(IMAGE, deadline_ms=3000)
+            return prediction, client.backoff_stats()
+
+    prediction, stats = asyncio.run(run())
+    assert prediction.top.label == "espresso" and stats["retries"] == 1
+    first, second = server.arrivals
+    assert second.at - first.at >= 0.2 and second.deadline_ms <= 3000 - 200
+
+
+def test_the_sdk_installs_as_a_package_in_a_fresh_venv(tmp_path, server):
+    """``pip install ./rampart_client`` works outside the repository: built, installed, run from elsewhere."""
+    source = tmp_path / "src" / "rampart_client"
+    shutil.copytree(ROOT / "rampart_client", source, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    # Offline: the project venv's setuptools builds the wheel; the fresh venv gets it without dependencies.
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "wheels"), str(source)],
+                   check=True, capture_output=True, timeout=120, cwd=tmp_path)
+    (wheel,) = (tmp_path / "wheels").glob("rampart_client-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    subprocess.run([*pip, "--python", str(python), "install", "--no-deps", "--no-index", str(wheel)],
+                   check=True, capture_output=True, timeout=120)
+    # Its dependencies come from the project venv, placed after the fresh venv's own site-packages.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    deps = sysconfig.get_paths()["purelib"]
+    probe = (f"import sys; sys.path.append({deps!r}); import importlib.metadata as m, rampart_client; "
+             "print(rampart_client.__file__); print(m.version('rampart-client')); print(m.requires('rampart-client'))")
+    out = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr
+    location, version, requires = out.stdout.splitlines()
+    assert location.startswith(str(venv)) and version == "0.2.0"
+    assert {r.split(">")[0].split("=")[0] for r in eval(requires)} == {"httpx", "pydantic"}  # noqa: S307 (our own print)
+
+    image = tmp_path / "coffee.jpg"
+    image.write_bytes(encode(photo("coffee")))
+    cli = (f"import sys; sys.path.append({deps!r}); from rampart_client.__main__ import main; "
+           f"sys.exit(main(['classify', {str(image)!r}, '--url', {server.url!r}, '--top-k', '3']))")
+    out = subprocess.run([str(python), "-c", cli], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert out.returncode == 0 and "espresso" in out.stdout, out.stdout + out.stderr

@@ -1,0 +1,234 @@
+"""The Kubernetes manifests in deploy/k8s, checked offline.
+
+Core kinds are validated with ``kubernetes-validate`` in strict mode (its bundled
+schemas, Kubernetes 1.37; unknown fields fail), the KEDA ScaledObject with
+``jsonschema`` against the CRD's openAPIV3Schema vendored in
+``deploy/k8s/schemas`` (KEDA 2.20.2), read strictly as the API server does with
+``--validate=strict``. The kustomize overlays are rendered with ``kubectl
+kustomize`` where kubectl is installed. Then the numbers must agree with the
+code: image and bentofile.yaml, grace period and the longest deadline, autoscaling
+thresholds and the queue-delay setting, env names and ``rampart.config.Settings``,
+probe paths and trigger metrics and a real server.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+import shutil
+import subprocess
+
+import httpx
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from rampart.config import ENV_PREFIX, Settings
+from tests.conftest import ROOT, encode, photo
+from tests.test_observability import missing_metrics, queried_metrics
+
+K8S = ROOT / "deploy" / "k8s"
+KUBERNETES_VERSION = "1.37.0"
+KEDA_VERSION = "2.20.2"
+KEDA_SCHEMA = K8S / "schemas" / f"keda-v{KEDA_VERSION}-scaledobject.yaml"
+OVERLAYS = ("cpu", "gpu")
+#: Seconds the grace period must leave after the preStop sleep and the longest deadline,
+#: for the last answer to leave and the processes to exit.
+GRACE_MARGIN_S = 5
+
+
+def load_all(path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+def manifest_files() -> list:
+    """Every complete resource file (not kustomize's own files, patches or schemas)."""
+    return sorted(
+        p for p in K8S.rglob("*.yaml")
+        if p.name != "kustomization.yaml" and not p.name.startswith("patch-") and "schemas" not in p.parts
+    )
+
+
+def strict(schema):
+    """``schema`` with ``additionalProperties: false`` wherever it lists properties and does not
+    keep unknown fields, as a structural CRD schema is applied by ``kubectl --validate=strict``."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) for k, v in schema.items()}
+    if "properties" in schema and "additionalProperties" not in schema \
+            and not schema.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+KEDA_VALIDATOR = jsonschema.Draft7Validator(strict(yaml.safe_load(KEDA_SCHEMA.read_text())))
+
+
+def validate(doc: dict) -> None:
+    """Raise if ``doc`` is not a valid resource: KEDA objects against the vendored CRD, the rest strict."""
+    if doc["apiVersion"].startswith("keda.sh/"):
+        errors = sorted(KEDA_VALIDATOR.iter_errors(doc), key=lambda e: list(e.path))
+        assert not errors, [f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors]
+        return
+    try:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        raise AssertionError(f"{doc['kind']}/{doc['metadata']['name']}: {exc.message} at {list(exc.path)}") from None
+
+
+def render(overlay: str) -> list[dict]:
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed: the overlays are not rendered (their base files are validated)")
+    out = subprocess.run(["kubectl", "kustomize", str(K8S / "overlays" / overlay)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    (doc,) = [d for d in docs if d["kind"] == kind]
+    return doc
+
+
+def container(deployment: dict) -> dict:
+    (rampart,) = deployment["spec"]["template"]["spec"]["containers"]
+    return rampart
+
+
+def env(deployment: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container(deployment).get("env", [])}
+
+
+def deployment() -> dict:
+    return one(load_all(K8S / "base" / "deployment.yaml"), "Deployment")
+
+
+def scaled_object() -> dict:
+    return one(load_all(K8S / "autoscaling" / "keda" / "scaledobject.yaml"), "ScaledObject")
+
+
+def adapter_rules() -> list[dict]:
+    config_map = one(load_all(K8S / "autoscaling" / "hpa" / "prometheus-adapter-rules.yaml"), "ConfigMap")
+    return yaml.safe_load(config_map["data"]["config.yaml"])["externalRules"]
+
+
+@pytest.mark.parametrize("path", manifest_files(), ids=lambda p: str(p.relative_to(K8S)))
+def test_every_manifest_validates(path):
+    docs = load_all(path)
+    assert docs
+    for doc in docs:
+        validate(doc)
+
+
+def test_validators_reject_mistakes():
+    bad_port = copy.deepcopy(deployment())
+    container(bad_port)["ports"][0]["containerPort"] = "3000"  # a string where an integer belongs
+    with pytest.raises(AssertionError, match="containerPort|3000"):
+        validate(bad_port)
+    unknown_field = copy.deepcopy(deployment())
+    unknown_field["spec"]["template"]["spec"]["terminationGracePeriod"] = 90
+    with pytest.raises(AssertionError, match="terminationGracePeriod"):
+        validate(unknown_field)
+    typo = copy.deepcopy(scaled_object())
+    typo["spec"]["minReplicas"] = 2  # KEDA spells it minReplicaCount
+    with pytest.raises(AssertionError, match="minReplicas"):
+        validate(typo)
+    not_a_string = copy.deepcopy(scaled_object())
+    not_a_string["spec"]["triggers"][0]["metadata"]["threshold"] = 0.1  # trigger metadata is map[string]string
+    with pytest.raises(AssertionError, match="threshold"):
+        validate(not_a_string)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlays_render_to_valid_resources(overlay):
+    docs = render(overlay)
+    assert sorted(d["kind"] for d in docs) == sorted(
+        ["Namespace", "Deployment", "Service", "PodDisruptionBudget", "ScaledObject"])
+    for doc in docs:
+        validate(doc)
+        assert doc["kind"] == "Namespace" or doc["metadata"]["namespace"] == "rampart"
+    rendered = one(docs, "Deployment")
+    resources = container(rendered)["resources"]
+    gpus = resources["limits"].get("nvidia.com/gpu")
+    assert gpus == (1 if overlay == "gpu" else None), resources
+    Settings.from_env(env(rendered))  # the overlay's settings are valid together
+    assert env(rendered)["RAMPART_MAX_DEADLINE_MS"] == env(deployment())["RAMPART_MAX_DEADLINE_MS"]
+
+
+def test_image_matches_bentofile():
+    bentofile = yaml.safe_load((ROOT / "bentofile.yaml").read_text())
+    assert container(deployment())["image"] == f"{bentofile['name']}:{bentofile['labels']['version']}"
+    assert "$(BENTO_VERSION)" in (ROOT / "Makefile").read_text()  # `make build` tags the bento with it
+
+
+def test_env_names_are_settings_and_valid():
+    settings_env = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
+    for path in [K8S / "base" / "deployment.yaml", *K8S.glob("overlays/*/patch-deployment.yaml")]:
+        names = set(env(one(load_all(path), "Deployment")))
+        assert names <= settings_env, f"{path.name}: not a setting: {names - settings_env}"
+    Settings.from_env(env(deployment()))
+
+
+def test_grace_period_outlasts_the_longest_deadline():
+    spec = deployment()["spec"]["template"]["spec"]
+    settings = Settings.from_env(env(deployment()))
+    assert settings.max_deadline_ms == Settings().max_deadline_ms  # the manifests keep the documented default
+    pre_stop = container(deployment())["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[0] == "sleep"
+    assert spec["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + settings.max_deadline_ms / 1000 + GRACE_MARGIN_S
+
+
+def test_autoscaling_thresholds_come_from_the_queue_delay():
+    queue_delay_s = Settings.from_env(env(deployment())).primary_queue_delay_ms / 1000
+    keda = scaled_object()["spec"]
+    triggers = {t["name"]: t for t in keda["triggers"]}
+    assert {t["type"] for t in triggers.values()} == {"prometheus"}
+    wait = triggers["queue-wait"]
+    # Scale when the primary's queue is on average half full: wait / queue delay = depth / limit (Little's law).
+    assert math.isclose(float(wait["metadata"]["threshold"]), 0.5 * queue_delay_s)
+    assert math.isclose(float(wait["metadata"]["activationThreshold"]), 0.25 * queue_delay_s)
+    assert all(t["metricType"] == "Value" for t in triggers.values())  # ratios, not per-pod averages
+
+    # The HPA alternative: the same minimum, maximum, behaviour, targets and queries.
+    hpa = one(load_all(K8S / "autoscaling" / "hpa" / "horizontalpodautoscaler.yaml"), "HorizontalPodAutoscaler")["spec"]
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (keda["minReplicaCount"], keda["maxReplicaCount"])
+    assert hpa["behavior"] == keda["advanced"]["horizontalPodAutoscalerConfig"]["behavior"]
+    assert keda["minReplicaCount"] >= 2  # with the PodDisruptionBudget's maxUnavailable 1, one pod always answers
+    targets = {m["external"]["metric"]["name"]: m["external"]["target"]["value"] for m in hpa["metrics"]}
+    rules = {rule["name"]["as"]: rule["metricsQuery"] for rule in adapter_rules()}
+    assert set(targets) == set(rules)
+
+    def quantity(value: str) -> float:
+        return float(value[:-1]) / 1000 if value.endswith("m") else float(value)
+
+    def normal(query: str) -> str:  # the KEDA query with the namespace matcher where the adapter puts its own
+        return re.sub(r"\s+", " ", query.replace(',<<.LabelMatchers>>', "")).strip()
+
+    for name, trigger in (("rampart_primary_queue_wait_seconds", wait),
+                          ("rampart_primary_shed_share", triggers["shed-share"])):
+        assert math.isclose(quantity(targets[name]), float(trigger["metadata"]["threshold"])), name
+        assert normal(rules[name]) == normal(trigger["metadata"]["query"].replace('namespace="rampart",', "")), name
+
+
+def test_probe_paths_and_trigger_metrics_exist(server):
+    rampart = container(deployment())
+    port = rampart["ports"][0]
+    annotations = deployment()["spec"]["template"]["metadata"]["annotations"]
+    assert int(annotations["prometheus.io/port"]) == port["containerPort"] == 3000  # BentoML's default port
+    paths = {rampart[probe]["httpGet"]["path"] for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
+    assert paths == {"/readyz", "/livez"}
+    for path in paths | {annotations["prometheus.io/path"]}:
+        assert httpx.get(f"{server.url}{path}", timeout=30).status_code == 200, path
+
+    # The stage histogram has its first series once a request was answered.
+    assert httpx.post(f"{server.url}/classify", content=encode(photo("coffee")), timeout=30).status_code == 200
+    queries = [t["metadata"]["query"] for t in scaled_object()["spec"]["triggers"]]
+    queries += [rule[key] for rule in adapter_rules() for key in ("seriesQuery", "metricsQuery")]
+    queried = queried_metrics(queries)
+    assert {"rampart_rejected_total", "rampart_admitted_total", "rampart_stage_duration_seconds_sum"} <= queried
+    missing = missing_metrics(server, queried)
+    assert not missing, f"the autoscaling queries read metrics that /metrics lacks: {missing}"
