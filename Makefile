@@ -38,7 +38,7 @@ stop-cluster:
 	$(PY) -m deploy.cluster stop
 
 test: models nginx
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests --durations=25
 
 # The load benchmark (about 10 minutes on 2 CPU cores) and the decode benchmark.
 bench: models
