@@ -253,14 +253,15 @@ def accept_backlog() -> int:
 
     Twice the places both admission gates have with their smallest queues (one
     batch each): ``2 × Σ ((concurrent_batches + 2) × max_batch_size)``, 288 with the
-    defaults, at least BentoML's minimum of 64. A connection waiting there is
-    invisible to every deadline clock; any more than this could only be shed once
-    accepted, so the kernel refuses them instead of BentoML's default 2048 waiting.
+    defaults, and more than 64, the least BentoML's configuration accepts
+    (``ensure_larger_than(64)``). A connection waiting there is invisible to every
+    deadline clock; any more than this could only be shed once accepted, so the
+    kernel refuses them instead of BentoML's default 2048 waiting.
     """
     places = sum((batches + 2) * size for batches, size in (
         (settings.primary_concurrent_batches, settings.primary_max_batch_size),
         (settings.fallback_concurrent_batches, settings.fallback_max_batch_size)))
-    return max(64, 2 * places)
+    return max(65, 2 * places)
 
 
 def middleware_config() -> dict:
