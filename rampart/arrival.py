@@ -153,7 +153,10 @@ class InflightBound:
             async def bounded(scope, receive, send) -> None:
                 if scope.get("type") != "http" or scope.get("path") not in self.paths:
                     return await app(scope, receive, send)
-                if self.inflight >= self.limit():
+                # X-Priority: high gets twice the bound: its place comes from evicting a normal
+                # request at admission (rampart.admission), which needs it to get that far.
+                limit = self.limit() * (2 if _is_high_priority(scope) else 1)
+                if self.inflight >= limit:
                     self.refused += 1
                     return await self.refuse(scope, receive, send)
                 self.inflight += 1
@@ -165,6 +168,14 @@ class InflightBound:
             bounded._rampart_bound = self
             wrapped = self._wrapped[id(app)] = bounded
         return wrapped
+
+
+def _is_high_priority(scope: dict) -> bool:
+    """Whether the request's ``X-Priority`` header says ``high`` (any case), read from the raw ASGI headers."""
+    for name, value in scope.get("headers") or ():
+        if name.lower() == b"x-priority":
+            return value.strip().lower() == b"high"
+    return False
 
 
 _bound: InflightBound | None = None

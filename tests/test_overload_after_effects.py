@@ -195,6 +195,32 @@ def test_inflight_bound_refuses_beyond_its_limit_before_the_app_runs():
     assert bound.refused == 1 and bound.inflight == 0
 
 
+def test_inflight_bound_leaves_room_for_high_priority_requests():
+    """A high-priority request over the bound still reaches admission (up to twice the bound): it evicts a normal one there."""
+
+    async def scenario():
+        release, entered = asyncio.Event(), []
+
+        async def app(scope, receive, send):
+            entered.append(scope["headers"][0][1] if scope["headers"] else b"normal")
+            await release.wait()
+
+        async def refuse(scope, receive, send):
+            entered.append(b"refused")
+
+        bound = InflightBound(lambda: 1, refuse, ["/classify"])
+        wrapped = bound.wrap(app)
+        scopes = [{"type": "http", "path": "/classify", "headers": headers}
+                  for headers in ([], [], [(b"x-priority", b"HIGH")], [(b"x-priority", b"high")])]
+        calls = [asyncio.create_task(wrapped(scope, None, None)) for scope in scopes]
+        await asyncio.sleep(0.01)
+        release.set()
+        await asyncio.gather(*calls)
+        return entered
+
+    assert sorted(asyncio.run(scenario())) == [b"HIGH", b"normal", b"refused", b"refused"]
+
+
 def test_bentoml_timeout_middleware_still_answers_504_when_nothing_was_sent_in_time():
     from bentoml._internal.server.http.traffic import TimeoutMiddleware
 
