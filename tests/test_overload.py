@@ -55,7 +55,17 @@ def test_five_times_capacity_open_loop(server):
         assert isinstance(stats[role]["runner"]["ttl_dropped"], int), stats
 
 
-def test_high_priority_burst_is_shed_less_and_answered_sooner(start_server):
+def test_high_priority_burst_is_shed_less_and_served_more(start_server):
+    """400 requests at once, one in ten ``X-Priority: high``, on a fresh server.
+
+    On the 2-core host such a burst is served only in part: the API worker's event
+    loop, the decoders and both models share two cores, and a share of the admitted
+    requests end with the static answer (README, "Overload control"). What priority
+    promises is the order: a high request is refused less often than a normal one
+    and carries a model's labels more often, and every answer still comes by the
+    deadline. (An earlier form compared P99 latencies; with about one answered
+    normal request per burst that comparison measured noise.)
+    """
     server = start_server()  # its own server: the 5x overload above leaves gates and meters warm
     bodies = load_bodies()
     samples = asyncio.run(burst(f"{server.url}/classify", bodies, 400, DEADLINE_MS, high_every=10))
@@ -66,10 +76,12 @@ def test_high_priority_burst_is_shed_less_and_answered_sooner(start_server):
     def shed_rate(group):  # refused with 429
         return sum(1 for s in group if s.status == 429) / len(group)
 
-    def p99(group):  # of the answered requests (nearest rank); a class with no answer at all is worst
-        times = sorted(s.latency_ms for s in group if s.status == 200)
-        return times[math.ceil(0.99 * len(times)) - 1] if times else math.inf
+    def served_rate(group):  # answered with a model's labels (the primary's or the fallback's) by the deadline
+        return sum(1 for s in group if s.status == 200 and s.model and s.latency_ms <= s.deadline_ms) / len(group)
 
-    report = {"high": (shed_rate(high), p99(high)), "normal": (shed_rate(normal), p99(normal))}
+    report = {"high": (shed_rate(high), served_rate(high)), "normal": (shed_rate(normal), served_rate(normal))}
     assert shed_rate(high) < shed_rate(normal), report
-    assert p99(high) < p99(normal), report
+    assert served_rate(high) > served_rate(normal), report
+    late = [(s.high, round(s.latency_ms), s.status, s.degraded_reason) for s in samples
+            if s.latency_ms > s.deadline_ms + SLACK_MS]
+    assert not late, (report, late[:20])
