@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PORT ?= 3000
 
-.PHONY: setup models serve test bench build clean nginx serve-cluster stop-cluster
+.PHONY: setup models serve test test-unit bench build clean nginx serve-cluster stop-cluster
 
 setup: $(VENV)/.installed
 
@@ -39,6 +39,10 @@ stop-cluster:
 
 test: models nginx
 	$(PY) -m pytest -q tests --durations=25
+
+# In-process tests only (no servers): under a minute.
+test-unit: setup
+	$(PY) -m pytest -q tests/unit --durations=10
 
 # The load benchmark (about 10 minutes on 2 CPU cores) and the decode benchmark.
 bench: models

@@ -10,7 +10,7 @@ stop-cluster`` (``stop``) stops them. ``RAMPART_*`` variables in the environment
 every replica.
 
 On one machine this only simulates separate hosts: the replicas share its CPU cores,
-so CPU-bound capacity does not add up (tests/test_cluster.py makes each replica's
+so CPU-bound capacity does not add up (tests/server/test_cluster.py makes each replica's
 capacity latency-bound to see the load balancer's effect).
 
 ``Replica``, ``Nginx`` and ``Cluster`` are also what the tests drive.

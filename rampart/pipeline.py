@@ -127,7 +127,7 @@ class ModelLane:
     #: A busy runner answers about once per batch time, and the measured speed already includes CPU
     #: starvation on a saturated host (issue 9: with the call's own wait as the only limit, 256
     #: connections opened the breaker). Twice that, so a hung model is still caught within about a
-    #: second (tests/test_fallback.py's drill: two rounds of 8 requests).
+    #: second (tests/server/test_fallback.py's drill: two rounds of 8 requests).
     STALL_BATCHES = 2
 
     def __init__(self, role: str, endpoint: ModelEndpoint, gate: AdmissionGate, breaker: CircuitBreaker | None) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from rampart.config import Settings
 from rampart.deadline import Deadline
 from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer
 from rampart.pool import BoundedPool
-from tests.conftest import encode, photo
+from tests.support import encode, photo
 
 LABELS = [f"class {i}" for i in range(1000)]
 
@@ -38,6 +39,7 @@ def classifier(settings: Settings, pool: BoundedPool | None = None, **primary) -
                       pool or BoundedPool(2, 8))
 
 
+@functools.lru_cache(maxsize=1)
 def big_png() -> bytes:
     return encode(Image.fromarray(photo("rocket")).resize((4000, 3000)), "PNG")
 

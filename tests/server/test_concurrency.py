@@ -1,7 +1,7 @@
 """400 requests in flight at once: all answered, no 5xx, real adaptive batches.
 
 With the default queueing delay (200 ms) most of 400 simultaneous requests would be
-shed (429, see tests/test_overload.py); here the server accepts a minute of
+shed (429, see tests/server/test_overload.py); here the server accepts a minute of
 queueing, so every request must be answered, by the primary, in real batches.
 This is also the regression test for the BentoML dependency-proxy defect of
 1.4.30-1.4.40 (see README, "Why BentoML 1.4.29").
@@ -14,7 +14,7 @@ import re
 
 import httpx
 
-from tests.conftest import PHOTOS, encode, photo
+from tests.support import PHOTOS, encode, photo
 
 IN_FLIGHT = 400
 

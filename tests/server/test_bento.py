@@ -7,7 +7,7 @@ import tarfile
 import sys
 from pathlib import Path
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 BENTOML = str(Path(sys.executable).with_name("bentoml"))
 

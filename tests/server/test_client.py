@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from rampart_client import AsyncClient, Client, ImageRejected, Prediction, ServiceError
-from tests.conftest import PHOTOS, ROOT, encode, photo
+from tests.support import PHOTOS, ROOT, encode, photo
 
 
 def test_sync_client_accepts_path_bytes_and_pil(server, tmp_path):

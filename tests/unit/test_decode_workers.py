@@ -16,8 +16,8 @@ from rampart.decode_job import prepare
 from rampart.errors import Overloaded
 from rampart.pipeline import decode_pool
 from rampart.pool import BoundedPool, JobTimeout, WorkerDied
-from tests.conftest import encode, photo
-from tests.test_pipeline import classifier
+from tests.support import encode, photo
+from tests.unit.test_pipeline import classifier
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ API server does with ``--validate=strict``. The kustomize overlays are rendered 
 kustomize`` where kubectl is installed. Then the numbers must agree with the
 code: image and bentofile.yaml, grace period and the longest deadline, autoscaling
 thresholds and the queue-delay setting, env names and ``rampart.config.Settings``,
-probe paths and trigger metrics and a real server.
+probe paths and trigger metrics and a real server (tests/server/test_deploy.py).
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ import re
 import shutil
 import subprocess
 
-import httpx
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
 from rampart.config import ENV_PREFIX, Settings
-from tests.conftest import ROOT, encode, photo
-from tests.test_observability import missing_metrics, queried_metrics
+from tests.support import ROOT
 
 K8S = ROOT / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.37.0"
@@ -211,23 +209,3 @@ def test_autoscaling_thresholds_come_from_the_queue_delay():
                           ("rampart_primary_shed_share", triggers["shed-share"])):
         assert math.isclose(quantity(targets[name]), float(trigger["metadata"]["threshold"])), name
         assert normal(rules[name]) == normal(trigger["metadata"]["query"].replace('namespace="rampart",', "")), name
-
-
-def test_probe_paths_and_trigger_metrics_exist(server):
-    rampart = container(deployment())
-    port = rampart["ports"][0]
-    annotations = deployment()["spec"]["template"]["metadata"]["annotations"]
-    assert int(annotations["prometheus.io/port"]) == port["containerPort"] == 3000  # BentoML's default port
-    paths = {rampart[probe]["httpGet"]["path"] for probe in ("startupProbe", "readinessProbe", "livenessProbe")}
-    assert paths == {"/readyz", "/livez"}
-    for path in paths | {annotations["prometheus.io/path"]}:
-        assert httpx.get(f"{server.url}{path}", timeout=30).status_code == 200, path
-
-    # The stage histogram has its first series once a request was answered.
-    assert httpx.post(f"{server.url}/classify", content=encode(photo("coffee")), timeout=30).status_code == 200
-    queries = [t["metadata"]["query"] for t in scaled_object()["spec"]["triggers"]]
-    queries += [rule[key] for rule in adapter_rules() for key in ("seriesQuery", "metricsQuery")]
-    queried = queried_metrics(queries)
-    assert {"rampart_rejected_total", "rampart_admitted_total", "rampart_stage_duration_seconds_sum"} <= queried
-    missing = missing_metrics(server, queried)
-    assert not missing, f"the autoscaling queries read metrics that /metrics lacks: {missing}"

@@ -7,7 +7,7 @@ import os
 import nbformat
 from nbclient import NotebookClient
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 
 def test_quickstart_notebook_runs(server, monkeypatch):

@@ -11,7 +11,7 @@ from rampart import errors
 from rampart.buckets import buckets_for_resolution, choose_bucket, fit_to_bucket
 from rampart.config import Settings
 from rampart.results import softmax, top_labels
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 
 def test_default_buckets_match_the_documented_shapes():

@@ -13,7 +13,7 @@ from PIL import Image
 
 from rampart import errors
 from rampart.decoding import DecodeLimits, decode_image, sniff_format
-from tests.conftest import encode, photo
+from tests.support import encode, photo
 
 LIMITS = DecodeLimits(
     max_body_bytes=20_000_000, max_pixels=50_000_000, min_side_px=16, max_aspect_ratio=10.0,

@@ -27,8 +27,8 @@ import pytest
 from bench.load_bench import free_port
 from bench.loadgen import closed_loop, load_bodies, open_loop, summarize, unique
 from deploy.cluster import Cluster, Nginx, nginx_binary
-from tests.conftest import SLACK_MS
-from tests.test_client_backoff import SheddingServer
+from tests.support import SLACK_MS
+from tests.server.test_client_backoff import SheddingServer
 
 CAPACITY_DELAY_MS = 250
 REPLICA_ENV = {"RAMPART_PRIMARY_MAX_BATCH_SIZE": "2", "RAMPART_FALLBACK_MAX_BATCH_SIZE": "2"}

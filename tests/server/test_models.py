@@ -11,7 +11,7 @@ from pathlib import Path
 import bentoml
 import onnx
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 
 def test_store_has_both_models_with_metadata():

@@ -4,7 +4,7 @@ and the SDK as a package installed in a fresh venv.
 The server here is a plain ``http.server`` on 127.0.0.1 whose capacity and failures
 are injected (a token bucket, 429 + Retry-After, 503): the overload is a fault put
 there on purpose, so each rule of the policy is seen on the wire, in seconds, not
-minutes of a real overload. Rampart itself answers the SDK in tests/test_client.py.
+minutes of a real overload. Rampart itself answers the SDK in tests/server/test_client.py.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import pytest
 from bench.load_bench import free_port
 from rampart_client import AsyncClient, BackoffPolicy, Client, Overloaded, ServiceError, Throttled
 from rampart_client.backoff import Backoff
-from tests.conftest import ROOT, encode, photo
+from tests.support import ROOT, encode, photo
 
 PREDICTION = {
     "request_id": "stub", "labels": [{"index": 967, "label": "espresso", "score": 0.9}],

@@ -16,7 +16,8 @@ import httpx
 import pytest
 
 from rampart.lifecycle import RUNNER_EXIT_MARGIN_S
-from tests.conftest import PHOTOS, SLACK_MS, START_TIMEOUT_S, Server, encode, photo
+from deploy.cluster import START_TIMEOUT_S, Replica
+from tests.support import PHOTOS, SLACK_MS, encode, photo
 
 MAX_DEADLINE_MS = 6000
 #: Raw uploads and 4-image batch uploads in flight when SIGTERM arrives.
@@ -28,8 +29,7 @@ NO_MODEL = {"no_model_available", "cached_result"}
 @pytest.fixture(scope="module")
 def fresh_server(tmp_path_factory):
     """A server just started (not waited for), with ``max_deadline_ms`` = ``MAX_DEADLINE_MS``."""
-    log_path = tmp_path_factory.mktemp("lifecycle") / "serve.log"
-    server = Server({"RAMPART_MAX_DEADLINE_MS": str(MAX_DEADLINE_MS)}, log_path)
+    server = Replica("serve", tmp_path_factory.mktemp("lifecycle"), {"RAMPART_MAX_DEADLINE_MS": str(MAX_DEADLINE_MS)})
     yield server
     server.stop()
 
@@ -152,44 +152,3 @@ def test_sigterm_answers_every_admitted_request_refuses_new_ones_and_exits(fresh
     log = fresh_server.log_path.read_text(errors="replace")
     assert exit_s <= MAX_DEADLINE_MS / 1000 + SLACK_MS / 1000 + RUNNER_EXIT_MARGIN_S, (exit_s, log[-3000:])
     assert "ClientDisconnect" not in log and "Traceback" not in log, log[-5000:]
-
-
-def test_lifecycle_admits_only_between_ready_and_drain_and_counts_in_flight():
-    from rampart.errors import NotReady, ShuttingDown
-    from rampart.lifecycle import Lifecycle
-
-    async def main():
-        lifecycle = Lifecycle()
-        with pytest.raises(NotReady):
-            lifecycle.admit()
-        lifecycle.mark_ready()
-        first, second = lifecycle.admit(), lifecycle.admit()
-        assert (lifecycle.state, lifecycle.in_flight) == ("ready", 2)
-        lifecycle.begin_drain()
-        with pytest.raises(ShuttingDown):
-            lifecycle.admit()
-        with first:
-            pass
-        assert not await lifecycle.drained(0.05)  # one still in flight: the bound ends the wait
-        waiter = asyncio.ensure_future(lifecycle.drained(5))
-        await asyncio.sleep(0.01)
-        with second:
-            assert not waiter.done()
-        assert await waiter and (lifecycle.state, lifecycle.in_flight) == ("draining", 0)
-
-    asyncio.run(main())
-
-
-def test_exit_signals_are_left_alone_outside_a_uvicorn_worker():
-    from rampart.lifecycle import intercept_exit_signals
-
-    async def drain(signum):
-        raise AssertionError("never called")
-
-    async def in_a_loop():
-        return intercept_exit_signals(drain)
-
-    before = signal.getsignal(signal.SIGTERM)
-    assert intercept_exit_signals(drain) is False  # no running loop
-    assert asyncio.run(in_a_loop()) is False  # a loop, but SIGTERM is not handled by uvicorn
-    assert signal.getsignal(signal.SIGTERM) is before

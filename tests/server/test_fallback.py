@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from rampart.config import Settings
-from tests.conftest import PHOTOS, SLACK_MS, encode, photo
+from tests.support import PHOTOS, SLACK_MS, encode, photo
 
 DEADLINE_MS = 800
 

@@ -8,7 +8,7 @@ import re
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import PHOTOS, ROOT, encode, photo
+from tests.support import PHOTOS, ROOT, encode, photo
 
 #: Every rampart_* family the README and the dashboard promise (name as the parser reports it).
 RAMPART_FAMILIES = {

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 
 def test_decode_bench_writes_json_and_plot_draft_beats_naive_and_processes_free_slots(tmp_path):

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from bench.loadgen import burst, closed_loop_round, load_bodies, run_sync
-from tests.conftest import SLACK_MS, Server, encode, photo
+from deploy.cluster import Replica
+from tests.support import SLACK_MS, encode, photo
 
 DEADLINE_MS = 1000
 REFERENCE_S = 5.0
@@ -35,7 +36,7 @@ RECOVERY_S = 5.0
 @pytest.fixture(scope="module")
 def tau_server(tmp_path_factory):
     """Rampart with a 1 s throughput time constant; stopped when this module ends."""
-    server = Server({"RAMPART_THROUGHPUT_TAU_MS": str(TAU_MS)}, tmp_path_factory.mktemp("serve") / "serve.log")
+    server = Replica("serve", tmp_path_factory.mktemp("serve"), {"RAMPART_THROUGHPUT_TAU_MS": str(TAU_MS)})
     try:
         server.wait_ready()
         answered_by_primary(server)
@@ -44,7 +45,7 @@ def tau_server(tmp_path_factory):
         server.stop()
 
 
-def answered_by_primary(server: Server, timeout_s: float = 120) -> None:
+def answered_by_primary(server: Replica, timeout_s: float = 120) -> None:
     """Wait until the primary answers three times in a row, then for the loop-lag window (2 s) to pass.
 
     On a loaded host the first requests after readiness pay for cold code paths and
@@ -60,7 +61,7 @@ def answered_by_primary(server: Server, timeout_s: float = 120) -> None:
     time.sleep(2.5)
 
 
-def stats(server: Server) -> dict:
+def stats(server: Replica) -> dict:
     return httpx.get(f"{server.url}/stats", timeout=10).json()
 
 

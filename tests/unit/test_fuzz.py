@@ -1,17 +1,15 @@
-"""Property-based fuzzing of the decoder and the server with mutated real images."""
+"""Property-based fuzzing of the decoder with mutated real images (the server: tests/server/test_fuzz.py)."""
 
 from __future__ import annotations
 
-import httpx
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
 
 from rampart.decoding import decode_image
 from rampart.errors import ImageError
-from tests.conftest import encode, photo
-from tests.test_decoding import LIMITS
+from tests.support import encode, photo
+from tests.unit.test_decoding import LIMITS
 
 SMALL = np.asarray(Image.fromarray(photo("chelsea")).resize((96, 64)))
 SEEDS = {fmt: encode(SMALL, fmt) for fmt in ("PNG", "JPEG", "GIF", "WEBP")}
@@ -41,23 +39,3 @@ def test_decoder_raises_only_image_errors(data):
     except ImageError:
         return
     assert decoded.image.mode == "RGB" and min(decoded.image.size) > 0
-
-
-@pytest.fixture(scope="module")
-def mutated_bodies() -> list[bytes]:
-    bodies: list[bytes] = []
-
-    @settings(max_examples=60, deadline=None, database=None, suppress_health_check=list(HealthCheck))
-    @given(mutated_images())
-    def collect(data):
-        bodies.append(data)
-
-    collect()
-    return bodies
-
-
-def test_server_answers_mutated_bodies_with_2xx_or_4xx(server, mutated_bodies):
-    with httpx.Client(base_url=server.url, timeout=30) as client:
-        statuses = [client.post("/classify", content=body).status_code for body in mutated_bodies]
-    assert all(200 <= s < 500 for s in statuses), sorted(set(statuses))
-    assert any(s == 200 for s in statuses) and any(400 <= s < 500 for s in statuses)

@@ -15,8 +15,8 @@ import psutil
 import pytest
 from PIL import Image
 
-from tests.conftest import PHOTOS, encode, photo
-from tests.test_decoding import png_bomb
+from tests.support import PHOTOS, encode, photo
+from tests.unit.test_decoding import png_bomb
 
 
 def tiff_bomb() -> bytes:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import PHOTOS, encode, photo
+from tests.support import PHOTOS, encode, photo
 
 
 @pytest.mark.parametrize("name", sorted(PHOTOS))

@@ -15,7 +15,7 @@ import httpx
 import numpy as np
 
 from bench.loadgen import burst, closed_loop, load_bodies, open_loop, summarize
-from tests.conftest import SLACK_MS
+from tests.support import SLACK_MS
 
 CAPACITY_CLIENTS = 32
 CAPACITY_SECONDS = 6.0

@@ -1,0 +1,132 @@
+"""The Open Inference Protocol on a real server, through tritonclient and BentoML's own client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import bentoml
+import numpy as np
+import pytest
+import tritonclient.http as triton
+from tritonclient.utils import InferenceServerException
+
+from rampart import oip
+from rampart.errors import ERROR_CLASSES
+from tests.support import PHOTOS, encode, photo
+from tests.unit.test_oip import DEADLINE_MS, OUTPUTS, image_input, texts
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with triton.InferenceServerClient(server.url.removeprefix("http://"), network_timeout=60) as client:
+        yield client
+
+
+def test_health_metadata_and_config(client):
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(oip.MODEL_NAME)
+    assert not client.is_model_ready("resnet50")
+    assert "binary_tensor_data" in client.get_server_metadata()["extensions"]
+    metadata = client.get_model_metadata(oip.MODEL_NAME)
+    assert {t["name"]: (t["datatype"], t["shape"]) for t in metadata["inputs"]} == {
+        oip.IMAGE: ("BYTES", [-1]), oip.PIXELS: ("UINT8", [-1, -1, -1, 3])}
+    assert {t["name"]: t["datatype"] for t in metadata["outputs"]} == {
+        oip.LABELS: "BYTES", oip.SCORES: "FP32", oip.CLASS_INDICES: "INT64"}
+    config = client.get_model_config(oip.MODEL_NAME, model_version=metadata["versions"][0])
+    assert config["max_batch_size"] == 16 and config["dynamic_batching"]["priority_levels"] == 2
+    with pytest.raises(InferenceServerException) as unknown:
+        client.get_model_metadata("rampart-typo")
+    assert unknown.value.status() == "404"
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_infer_gives_the_labels_of_classify(client, http, binary):
+    names = sorted(PHOTOS)
+    images = [encode(photo(name)) for name in names]
+    expected_answers = [classify(http, image, top_k=3) for image in images]
+    outputs = [triton.InferRequestedOutput(name, binary_data=binary) for name in OUTPUTS]
+    result = client.infer(oip.MODEL_NAME, [image_input(images, binary)], outputs=outputs,
+                          parameters={"top_k": 3, "deadline_ms": DEADLINE_MS})
+    parameters = result.get_response()["parameters"]
+    indices, scores = result.as_numpy(oip.CLASS_INDICES), result.as_numpy(oip.SCORES)
+    assert indices.shape == scores.shape == result.as_numpy(oip.LABELS).shape == (len(names), 3)
+    for row, (name, expected) in enumerate(zip(names, expected_answers)):
+        assert parameters["models"].split(",")[row] == expected["model"]["name"], parameters
+        assert indices[row].tolist() == [label["index"] for label in expected["labels"]]
+        assert texts(result.as_numpy(oip.LABELS))[row] == [label["label"] for label in expected["labels"]]
+        assert np.allclose(scores[row], [label["score"] for label in expected["labels"]], atol=1e-4)
+        assert set(indices[row].tolist()) & PHOTOS[name]
+    assert parameters["degraded"] is False, parameters
+
+
+def test_batch_of_eight_and_raw_pixels(client):
+    names = sorted(PHOTOS) * 2
+    result = client.infer(oip.MODEL_NAME, [image_input([encode(photo(name)) for name in names], True)],
+                          parameters={"deadline_ms": DEADLINE_MS})
+    indices = result.as_numpy(oip.CLASS_INDICES)
+    assert indices.shape == (8, 5)
+    for name, row in zip(names, indices):
+        assert set(row[:3].tolist()) & PHOTOS[name], (name, row)
+    pixels = photo("chelsea")
+    tensor = triton.InferInput(oip.PIXELS, [1, *pixels.shape], "UINT8")
+    tensor.set_data_from_numpy(pixels[None])
+    raw = client.infer(oip.MODEL_NAME, [tensor], parameters={"deadline_ms": DEADLINE_MS}, priority=1)
+    assert set(raw.as_numpy(oip.CLASS_INDICES)[0, :3].tolist()) & PHOTOS["chelsea"]
+
+
+@pytest.mark.parametrize("images, parameters, status, code", [
+    ([b"this is not an image"], {}, "415", "unsupported_format"),
+    ([b"\x89PNG\r\n\x1a\n" + b"\x00" * 40], {}, "400", "undecodable_image"),
+    ([b"", b""], {}, "400", "empty_body"),
+    ([b"x"], {"top_k": 21}, "422", "invalid_parameter"),
+    ([b"x"], {"deadline_ms": "soon"}, "422", "invalid_parameter"),
+    ([b"x"], {"priority": 7}, "422", "invalid_parameter"),
+    ([b"x"] * 17, {}, "422", "invalid_parameter"),
+], ids=["not-an-image", "broken-png", "empty", "top-k", "deadline", "priority", "over-batch-limit"])
+def test_bad_requests_are_protocol_errors_with_rampart_status(client, images, parameters, status, code):
+    with pytest.raises(InferenceServerException) as failure:
+        rest = {key: value for key, value in parameters.items() if key != "priority"}  # a reserved name there
+        client.infer(oip.MODEL_NAME, [image_input(images, True)], parameters=rest,
+                     priority=parameters.get("priority", 0))
+    assert failure.value.status() == status and failure.value.message().startswith(f"{code}: ")
+
+
+def test_bentoml_client_answers_as_classify(server, http, tmp_path):
+    jpeg = encode(photo("coffee"))
+    (tmp_path / "coffee.jpg").write_bytes(jpeg)
+    (tmp_path / "junk.jpg").write_bytes(b"not an image")
+    expected = classify(http, jpeg)
+    with bentoml.SyncHTTPClient(server.url, timeout=60) as bento:
+        bento.client.headers["X-Deadline-Ms"] = str(DEADLINE_MS)  # the client's own httpx.Client
+        got = bento.classify(tmp_path / "coffee.jpg")
+        with pytest.raises(bentoml.exceptions.BentoMLException) as failure:
+            bento.classify(tmp_path / "junk.jpg")
+
+    async def call_async() -> dict:
+        async with bentoml.AsyncHTTPClient(server.url, timeout=60) as bento_async:
+            bento_async.client.headers["X-Deadline-Ms"] = str(DEADLINE_MS)
+            return await bento_async.classify(tmp_path / "coffee.jpg")
+
+    got_async = asyncio.run(call_async())
+    for answer_ in (got, got_async):
+        assert answer_["labels"] == expected["labels"] and answer_["model"] == expected["model"]
+        assert answer_["degraded_reason"] == expected["degraded_reason"] is None
+    direct = http.post("/classify", content=b"not an image")
+    assert failure.value.error_code == direct.status_code == 415
+    assert json.loads(str(failure.value))["error"]["code"] == direct.json()["error"]["code"] == "unsupported_format"
+
+
+def test_docs_show_the_bentoml_api_with_its_error_table(http):
+    spec = http.get("/docs.json").json()
+    operation = spec["paths"]["/bentoml/classify"]["post"]
+    assert operation["x-bentoml-name"] == "classify"
+    assert set(operation["responses"]["200"]["content"]["application/json"]["schema"]["required"]) >= {
+        "labels", "model", "degraded", "degraded_reason", "timings_ms"}
+    for error in ERROR_CLASSES:
+        assert f"| {error.status} | `{error.code}` |" in operation["description"]
+
+
+def classify(http, data: bytes, top_k: int = 5) -> dict:
+    response = http.post("/classify", content=data, params={"top_k": top_k}, headers={"X-Deadline-Ms": str(DEADLINE_MS)})
+    assert response.status_code == 200, response.text
+    return response.json()

@@ -1,0 +1,149 @@
+"""Request bounds on a real server: JSON 404/405, bounded metric series, Server-Timing on batches, request-head limit, part bombs answered fast while others are served."""
+
+from __future__ import annotations
+
+import random
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from rampart import http
+from rampart.headlimit import MAX_HEAD_BYTES
+from rampart.routing import OTHER_ENDPOINT
+from tests.support import PHOTOS, encode, photo
+from tests.server.test_observability import scrape
+from tests.unit.test_request_bounds import BOMB_TO_UPLOAD_RATIO, EMPTY_PARTS_BOMB, LIVEZ_BUDGET_MS, MULTIPART, TINY_IMAGES_BOMB, json_error
+
+
+def test_unknown_paths_and_wrong_methods_get_json_404_and_405(http):
+    body = json_error(http.get("/no/such/path", headers={"X-Request-Id": "nf-1"}), 404, "not_found")
+    assert body["request_id"] == "nf-1"
+    wrong = http.delete("/classify")
+    json_error(wrong, 405, "method_not_allowed")
+    assert wrong.headers["allow"] == "POST"
+    json_error(http.post("/livez"), 405, "method_not_allowed")
+    json_error(http.put("/metrics"), 405, "method_not_allowed")
+    json_error(http.get("/classify_batch/x"), 404, "not_found")
+
+
+def test_metric_series_do_not_grow_with_random_paths_and_methods(server, http):
+    rng = random.Random(10)
+    methods = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]
+    wrong_methods = ["PUT", "DELETE", "PATCH"]  # served by none of the known paths
+    known = ["/classify", "/classify_batch", "/stats", "/livez", "/readyz", "/metrics", "/healthz"]
+    unknown = [lambda: f"/{rng.getrandbits(64):x}", lambda: f"/classify/{rng.getrandbits(32):x}",
+               lambda: f"/static_content/{rng.getrandbits(32):x}", lambda: f"{rng.choice(known)}{rng.randint(0, 9)}"]
+
+    def send(method: str, path: str) -> None:
+        assert http.request(method, path).status_code in (404, 405), (method, path)
+
+    # One request of each kind first: each may add its one series (endpoint label, status).
+    for kind in unknown:
+        for method in methods:
+            send(method, kind())
+    for path in known:
+        for method in wrong_methods:
+            send(method, path)
+    before = set(series(scrape(server)))
+    for _ in range(300):
+        if rng.random() < 0.8:
+            send(rng.choice(methods), rng.choice(unknown)())
+        else:
+            send(rng.choice(wrong_methods), rng.choice(known))
+    after = set(series(scrape(server)))
+    assert after == before, {"new": sorted(after - before)[:10], "gone": sorted(before - after)[:10]}
+    assert any(dict(labels).get("endpoint") == OTHER_ENDPOINT for _, labels in after)
+
+
+def test_classify_batch_sends_server_timing(http):
+    files = [("images", ("cat.jpg", encode(photo("chelsea")))), ("images", ("junk.bin", b"junk"))]
+    response = http.post("/classify_batch", files=files)
+    assert response.status_code == 200, response.text
+    timing = dict(part.strip().split(";dur=") for part in response.headers["server-timing"].split(","))
+    assert set(timing) == {"decode", "queue", "inference", "total"}
+    assert float(timing["total"]) >= float(timing["inference"]) > 0
+    assert {label["index"] for label in response.json()["results"][0]["labels"]} & PHOTOS["chelsea"]
+
+
+@pytest.mark.parametrize("head", [
+    b"GET /livez HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 1_000_000 + b"\r\n\r\n",
+    b"GET /livez HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: %s\r\n" % (i, b"a" * 1000) for i in range(70)) + b"\r\n",
+    b"GET /" + b"a" * (MAX_HEAD_BYTES + 1) + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+])
+def test_request_head_over_the_limit_gets_431_json(server, head):
+    for piece in (len(head), 1000):  # in one write and trickled in pieces
+        reply = send_raw(server, head, piece)
+        assert reply.startswith(b"HTTP/1.1 431 "), reply[:200]
+        assert b'"code":"headers_too_large"' in reply and b"application/json" in reply
+
+
+def test_request_head_under_the_limit_is_served(http):
+    headers = {f"X-{i}": "a" * 1000 for i in range(MAX_HEAD_BYTES // 1100)}
+    assert http.get("/livez", headers=headers).status_code == 200
+    assert http.post("/classify", content=encode(photo("coffee")), headers=headers).status_code == 200
+
+
+def test_part_bombs_get_fast_4xx_while_livez_and_ordinary_requests_are_served(server):
+    """Run under the load lock: 2 million empty parts to /classify, 100,000 tiny parts to /classify_batch."""
+    stop, livez_ms, ordinary = threading.Event(), [], []
+
+    def probe_livez() -> None:
+        with httpx.Client(base_url=server.url, timeout=30) as client:
+            while not stop.is_set():
+                started = time.perf_counter()
+                assert client.get("/livez").status_code == 200
+                livez_ms.append((time.perf_counter() - started) * 1000)
+                time.sleep(0.01)
+
+    def post(client: httpx.Client, path: str, body: bytes, headers: dict) -> tuple[float, httpx.Response]:
+        started = time.perf_counter()
+        response = client.post(path, content=body, headers=headers)
+        return time.perf_counter() - started, response
+
+    prober = threading.Thread(target=probe_livez)
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        client.post("/classify", content=encode(photo("coffee")))  # warm the connection and the paths
+        prober.start()
+        try:
+            for path, bomb in (("/classify", EMPTY_PARTS_BOMB), ("/classify_batch", TINY_IMAGES_BOMB)):
+                plain = min(post(client, "/classify", b"\x00" * len(bomb), {})[0] for _ in range(2))  # 415 after the read
+                ordinary_reply: list[httpx.Response] = []
+                sender = threading.Thread(target=lambda: ordinary_reply.append(httpx.post(
+                    f"{server.url}/classify", content=encode(photo("chelsea")), headers={"X-Deadline-Ms": "5000"},
+                    timeout=30)))
+                sender.start()
+                took = []
+                for _ in range(2):
+                    seconds, response = post(client, path, bomb, MULTIPART)
+                    json_error(response, 413, "too_many_parts")
+                    took.append(seconds)
+                sender.join()
+                ordinary.append(ordinary_reply[0])
+                assert min(took) <= BOMB_TO_UPLOAD_RATIO * plain, (path, took, plain)
+        finally:
+            stop.set()
+            prober.join()
+    assert [r.status_code for r in ordinary] == [200, 200], [r.text[:200] for r in ordinary]
+    assert all({label["index"] for label in r.json()["labels"]} & PHOTOS["chelsea"] for r in ordinary)
+    assert len(livez_ms) >= 5 and max(livez_ms) < LIVEZ_BUDGET_MS, sorted(livez_ms)[-5:]
+
+
+def series(samples: dict) -> list[tuple[str, tuple]]:
+    return [(name, labels) for name, values in samples.items() for labels in values]
+
+
+def send_raw(server, data: bytes, piece: int) -> bytes:
+    """Send ``data`` in ``piece``-byte writes on a raw connection; the reply (the server may close early)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        try:
+            for start in range(0, len(data), piece):
+                sock.sendall(data[start:start + piece])
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        reply = b""
+        while chunk := sock.recv(65536):
+            reply += chunk
+    return reply
