@@ -466,9 +466,10 @@ def model_config(settings: Settings, version: str) -> dict:
 def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -> list[Route]:
     """The protocol's Starlette routes.
 
-    ``backend`` is the app's state (classifier, lifecycle, loop lag, readiness); ``account(request, request_id, high,
-    started, status, code, **extra)`` counts and logs each inference answer (the
-    service's ``finished``), so ``/v2`` traffic shows in the same metrics and access log.
+    ``backend`` is the app's state (classifier, lifecycle, loop lag, readiness:
+    ``rampart.app.AppState``); ``account(request, request_id, high, started, status,
+    code, **extra)`` counts and logs each inference answer (``rampart.app.finished``),
+    so ``/v2`` traffic shows in the same metrics and access log.
     """
 
     def version() -> str:
