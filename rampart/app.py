@@ -236,12 +236,12 @@ async def _batch_entry(classifier: Classifier, call: Call, index: int, filename:
     entry = {"index": index, "filename": filename}
     try:
         return {**entry, **(await classifier.classify(data, call.top_k, call.deadline, call.high))}
-    except RampartError as error:
-        return {**entry, "status": error.status, **error.to_body(call.request_id)}
+    except RampartError as exc:
+        error = exc
     except Exception:
         logger.exception("unexpected failure for image %d of request %s", index, call.request_id)
         error = InternalError("an unexpected error occurred")
-        return {**entry, "status": error.status, **error.to_body(call.request_id)}
+    return {**entry, "status": error.status, **error.to_body(call.request_id)}
 
 
 def batch_timings_ms(results: list[dict], total_ms: float) -> dict[str, float]:
