@@ -45,10 +45,15 @@ from .pipeline import Classifier
 
 __all__ = [
     "AppState",
+    "Call",
     "create_app",
     "attach",
     "state_of",
     "classify_endpoint",
+    "read_images",
+    "classify",
+    "classify_batch",
+    "stats",
     "refuse_before_admission",
     "route_error_answered",
     "finished",
