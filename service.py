@@ -8,10 +8,10 @@ bodies and status codes exactly; BentoML's own ``/readyz``, ``/livez`` and
 ``/metrics`` stay as they are. The pipeline itself is ``rampart.pipeline``.
 
 Routes:
-- ``POST /classify``: a raw image body or multipart field ``image``.
-- ``POST /classify_batch``: multipart, field ``images`` repeated.
+- ``/classify``, ``/classify_batch``, ``/stats`` and ``/v2/...``: the Starlette app of
+  ``rampart.app.create_app``, made at import (``@bentoml.asgi_app`` needs it then) and
+  given its classifier and lifecycle by ``Rampart.__init__`` (``rampart.app.attach``).
 - any other path or method: JSON 404/405 (``rampart.routing.JSONRouteErrors``).
-- ``/v2/...``: the Open Inference Protocol (KServe v2 / Triton HTTP), ``rampart.oip``.
 - ``POST /bentoml/classify``: ``/classify`` as a BentoML API, for ``bentoml.SyncHTTPClient``
   and ``/docs`` (``rampart.bentoml_api``).
 
@@ -29,19 +29,15 @@ import time
 
 import bentoml
 import psutil
-from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
-from starlette.routing import Route
 
-from rampart import http, metrics, oip
-from rampart.accesslog import log_request, server_timing
+from rampart import metrics, oip
+from rampart.app import attach, classify_endpoint, create_app, refuse_before_admission, route_error_answered, state_of
 from rampart.arrival import bound_inflight, stamp_arrivals
 from rampart.bentoml_api import CLASSIFY_API_ROUTE, CLASSIFY_DOC, ClassifyAnswer, ImageUpload, documented
 from rampart.bentoml_fixes import bound_endpoint_labels, cancel_request_timers, keep_runner_sockets_until_stopped
 from rampart.buckets import buckets_for_resolution
 from rampart.config import get_settings
-from rampart.errors import InternalError, InvalidParameter, Overloaded, RampartError, Unavailable
 from rampart.headlimit import limit_request_heads
 from rampart.lifecycle import ENTRY_SERVICE_NAME, Lifecycle, intercept_exit_signals
 from rampart.lifecycle import logger as lifecycle_log
@@ -92,122 +88,6 @@ def model_endpoint(tag: str, runner) -> ModelEndpoint:
     )
 
 
-async def classify(request: Request) -> JSONResponse:
-    """``POST /classify``: one image, raw body (format sniffed) or multipart field ``image``."""
-    started, request_id, high = time.perf_counter(), http.request_id_of(request), False
-    try:
-        top_k = http.parse_top_k(request)
-        deadline = http.parse_deadline(request, settings, service().loop_lag_ms())
-        high = http.parse_priority(request)
-        classifier = service().classifier
-        classifier.check_capacity(deadline, high)  # sheds (429) before the body is read
-        if http.is_multipart(request):
-            ((_, data),) = await http.read_multipart(request, "image", 1, settings.max_body_bytes, deadline)
-        else:
-            data = await http.read_body(request, settings.max_body_bytes, deadline)
-        result = await classifier.classify(data, top_k, deadline, high)
-    except Exception as exc:
-        return failed(request, request_id, high, started, exc)
-    result["timings_ms"] = {"before_handler": round(deadline.before_handler_ms(), 3), **result["timings_ms"]}
-    response = JSONResponse({"request_id": request_id, **result},
-                            headers={"X-Request-Id": request_id, "Server-Timing": server_timing(result["timings_ms"])})
-    finished(request, request_id, high, started, 200, "ok", result)
-    return response
-
-
-async def classify_batch(request: Request) -> JSONResponse:
-    """``POST /classify_batch``: multipart field ``images`` repeated; one entry per image, in order."""
-    started, request_id, high = time.perf_counter(), http.request_id_of(request), False
-    try:
-        top_k = http.parse_top_k(request)
-        deadline = http.parse_deadline(request, settings, service().loop_lag_ms())
-        high = http.parse_priority(request)
-        if not http.is_multipart(request):
-            raise InvalidParameter("send multipart/form-data with one or more parts named 'images'")
-        service().classifier.check_capacity(deadline, high)
-        files = await http.read_multipart(request, "images", settings.max_batch_images, settings.max_body_bytes,
-                                          deadline)
-    except Exception as exc:
-        return failed(request, request_id, high, started, exc)
-    classifier = service().classifier
-
-    async def one(index: int, filename: str, data: bytes) -> dict:
-        entry = {"index": index, "filename": filename}
-        try:
-            return {**entry, **(await classifier.classify(data, top_k, deadline, high))}
-        except RampartError as error:
-            return {**entry, **error.to_body(request_id)}
-        except Exception:
-            logger.exception("unexpected failure for image %d of request %s", index, request_id)
-            return {**entry, **InternalError("an unexpected error occurred").to_body(request_id)}
-
-    results = await asyncio.gather(*(one(i, name, data) for i, (name, data) in enumerate(files)))
-    timings = batch_timings_ms(results, (time.perf_counter() - started) * 1000.0)
-    warnings = sorted({warning for result in results for warning in result.get("input_warnings", ())})
-    finished(request, request_id, high, started, 200, "ok", images=len(results), input_warnings=warnings)
-    return JSONResponse({"request_id": request_id, "results": results},
-                        headers={"X-Request-Id": request_id, "Server-Timing": server_timing(timings)})
-
-
-def batch_timings_ms(results: list[dict], total_ms: float) -> dict[str, float]:
-    """A batch's stage timings (ms): per stage the longest over its answered images, and the whole request's total.
-
-    The images run concurrently, so the longest of each stage is the one that shaped the answer time.
-    """
-    answered = [entry["timings_ms"] for entry in results if "timings_ms" in entry]
-    stages = {stage: max(t[stage] for t in answered) for stage in ("decode", "queue", "inference")} if answered else {}
-    return {**stages, "total": round(total_ms, 1)}
-
-
-def admitted(endpoint):
-    """The route ``endpoint``, refused with 503 before warm-up and during the drain, and counted in
-    flight otherwise (``rampart.lifecycle.Lifecycle.admit``): a drain waits for every request it let in."""
-
-    async def route(request: Request):
-        try:
-            admission = service().lifecycle.admit()
-        except Unavailable as exc:
-            return failed(request, http.request_id_of(request), False, time.perf_counter(), exc)
-        with admission:
-            return await endpoint(request)
-
-    route.__name__, route.__doc__ = endpoint.__name__, endpoint.__doc__
-    return route
-
-
-def failed(request: Request, request_id: str, high: bool, started: float, exc: Exception) -> JSONResponse:
-    """The error response for ``exc`` (a ``RampartError``, else a logged 500), accounted and logged."""
-    if not isinstance(exc, RampartError):
-        logger.exception("unexpected failure for request %s", request_id, exc_info=exc)
-        exc = InternalError("an unexpected error occurred; see the server log")
-    finished(request, request_id, high, started, exc.status, exc.code)
-    return http.error_response(exc, request_id)
-
-
-def route_error_answered(request: Request, request_id: str, started: float, error: RampartError) -> None:
-    """Account and log a 404/405 answered by ``JSONRouteErrors``."""
-    finished(request, request_id, False, started, error.status, error.code)
-
-
-def finished(request: Request, request_id: str, high: bool, started: float, status: int, code: str,
-             result: dict | None = None, **extra: object) -> None:
-    """Count the answer (``rampart_responses_total``) and write its access-log line."""
-    metrics.RESPONSES.labels(str(status), code).inc()
-    metrics.update_process_rss("api")
-    log_request(request_id, request.url.path, status, code, high, (time.perf_counter() - started) * 1000.0,
-                result, **extra)
-
-
-async def stats(request: Request) -> JSONResponse:
-    """``GET /stats``: admission queues, measured throughput, breaker state, runner counters."""
-    rampart = service()
-    body = rampart.classifier.state()
-    body["lifecycle"] = {"state": rampart.lifecycle.state, "in_flight": rampart.lifecycle.in_flight}
-    for role, runner in (("primary", rampart.primary), ("fallback", rampart.fallback)):
-        body[role]["runner"] = await runner_stats(runner)
-    return JSONResponse(body)
-
-
 async def runner_stats(runner) -> dict | None:
     """A runner's ``stats`` API (warm-up speed, TTL drops), or None while it cannot answer."""
     try:
@@ -218,30 +98,7 @@ async def runner_stats(runner) -> dict | None:
         return None
 
 
-async def refuse_before_admission(scope, receive, send) -> None:
-    """429 ``overloaded`` for a request over the in-flight bound (see ``rampart.arrival``), before any middleware."""
-    request = Request(scope, receive)
-    request_id = http.request_id_of(request)
-    error = Overloaded("too many requests in flight; retry later", service().classifier.retry_after_s())
-    response = failed(request, request_id, False, time.perf_counter(), error)
-    await response(scope, receive, send)
-
-
-def service() -> "Rampart":
-    """The running ``Rampart`` instance of this worker."""
-    return bentoml.get_current_service()
-
-
-classify_route = admitted(classify)
-
-http_app = Starlette(
-    routes=[
-        Route("/classify", classify_route, methods=["POST"]),
-        Route("/classify_batch", admitted(classify_batch), methods=["POST"]),
-        Route("/stats", stats, methods=["GET"]),
-        *oip.routes(settings, service, finished),
-    ]
-)
+http_app = create_app(settings)
 
 
 #: Routes whose requests go through admission (``rampart.arrival.bound_inflight``, tracing off by default).
@@ -293,9 +150,11 @@ class Rampart:
             decode_pool(settings),
         )
         self.loop_lag = LoopLagMonitor()
-        bound_inflight(self.classifier.inflight_limit, refuse_before_admission, ADMITTED_ROUTES)
+        bound_inflight(self.classifier.inflight_limit, refuse_before_admission(http_app), ADMITTED_ROUTES)
         metrics.init_api_series()
         self.lifecycle = Lifecycle()
+        attach(http_app, classifier=self.classifier, lifecycle=self.lifecycle, loop_lag_ms=self.loop_lag_ms,
+               runner_stats=self.stats_of_runner)
         self._runners_watch: asyncio.Task | None = None
         # Move everything built at start-up out of the garbage collector's reach, so
         # collections under load scan only request-time objects (Python gc.freeze docs).
@@ -306,7 +165,7 @@ class Rampart:
     @documented(CLASSIFY_DOC)
     async def classify(self, image: Request) -> ClassifyAnswer:
         # ``image`` is the whole Starlette request (``ImageUpload``); /classify's own route reads it.
-        return await classify_route(image)
+        return await classify_endpoint(http_app)(image)
 
     def loop_lag_ms(self) -> float:
         """The event loop's recent lag (ms), kept back from each new deadline; starts the monitor."""
@@ -315,9 +174,13 @@ class Rampart:
         metrics.LOOP_LAG.set(lag_ms / 1000.0)
         return lag_ms
 
+    async def stats_of_runner(self, role: str) -> dict | None:
+        """The ``primary`` or ``fallback`` runner's counters (``runner_stats``), for ``GET /stats``."""
+        return await runner_stats(self.primary if role == "primary" else self.fallback)
+
     async def __is_ready__(self) -> bool:
         """``/readyz``: 200 once both runners have warmed up, 503 again from SIGTERM on (the drain)."""
-        return self.lifecycle.ready and not self.lifecycle.draining
+        return state_of(http_app).ready()
 
     @bentoml.on_startup
     async def start_lifecycle(self) -> None:

@@ -251,28 +251,13 @@ class InternalError(RampartError):
     code, status = "internal_error", 500
 
 
-ERROR_CLASSES: tuple[type[RampartError], ...] = (
-    NotFound,
-    MethodNotAllowed,
-    BodyTimeout,
-    ClientDisconnected,
-    EmptyBody,
-    UndecodableImage,
-    CorruptImage,
-    PayloadTooLarge,
-    ImageTooLarge,
-    TooManyParts,
-    PartHeadersTooLarge,
-    UnsupportedFormat,
-    ImageTooSmall,
-    AspectRatioOutOfRange,
-    TooManyFrames,
-    DecodeCostTooHigh,
-    DecodeTimeout,
-    InvalidParameter,
-    HeadersTooLarge,
-    Overloaded,
-    NotReady,
-    ShuttingDown,
-    InternalError,
-)
+def _concrete(base: type[RampartError]) -> tuple[type[RampartError], ...]:
+    """The classes under ``base`` that nothing subclasses (the errors actually raised), depth first in
+    definition order; the grouping classes (``RequestError``, ``ImageError``, ``Unavailable``) are left out."""
+    below = base.__subclasses__()
+    return tuple(leaf for cls in below for leaf in _concrete(cls)) if below else (base,)
+
+
+#: Every error Rampart answers with, one class per ``code``: the leaves of the tree above, derived once
+#: this module has defined them (a guard test checks each is documented in README and mapped by the SDK).
+ERROR_CLASSES: tuple[type[RampartError], ...] = _concrete(RampartError)

@@ -101,13 +101,14 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration"]
 
 
 class Backend(Protocol):
-    """What the routes need from the running service (``service.Rampart``)."""
+    """What the routes need from the app's state (``rampart.app.AppState``)."""
 
     classifier: Any  # rampart.pipeline.Classifier
+    lifecycle: Any  # rampart.lifecycle.Lifecycle
 
     def loop_lag_ms(self) -> float: ...
 
-    async def __is_ready__(self) -> bool: ...
+    def ready(self) -> bool: ...
 
 
 @dataclass
@@ -462,17 +463,17 @@ def model_config(settings: Settings, version: str) -> dict:
     }
 
 
-def routes(settings: Settings, backend: Callable[[], Backend],
-           account: Callable[..., None]) -> list[Route]:
+def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -> list[Route]:
     """The protocol's Starlette routes.
 
-    ``backend()`` returns the running service; ``account(request, request_id, high,
-    started, status, code, **extra)`` counts and logs each inference answer (the
-    service's ``finished``), so ``/v2`` traffic shows in the same metrics and access log.
+    ``backend`` is the app's state (classifier, lifecycle, loop lag, readiness:
+    ``rampart.app.AppState``); ``account(request, request_id, high, started, status,
+    code, **extra)`` counts and logs each inference answer (``rampart.app.finished``),
+    so ``/v2`` traffic shows in the same metrics and access log.
     """
 
     def version() -> str:
-        return backend().classifier.primary.endpoint.version
+        return backend.classifier.primary.endpoint.version
 
     def unknown_model(request: Request) -> JSONResponse | None:
         name = request.path_params["name"]
@@ -490,14 +491,14 @@ def routes(settings: Settings, backend: Callable[[], Backend],
         return JSONResponse({"live": True})
 
     async def ready(request: Request) -> JSONResponse:
-        is_ready = bool(await backend().__is_ready__())
+        is_ready = backend.ready()
         return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
 
     async def model_ready(request: Request) -> JSONResponse:
         missing = unknown_model(request)
         if missing is not None:
             return missing
-        is_ready = bool(await backend().__is_ready__())
+        is_ready = backend.ready()
         return JSONResponse({"name": MODEL_NAME, "ready": is_ready}, status_code=200 if is_ready else 503)
 
     async def metadata(request: Request) -> JSONResponse:
@@ -509,7 +510,7 @@ def routes(settings: Settings, backend: Callable[[], Backend],
     async def infer(request: Request) -> Response:
         started, request_id = time.perf_counter(), http.request_id_of(request)
         try:  # refused (503) before warm-up and during a drain, else counted in flight until answered
-            admission = backend().lifecycle.admit()
+            admission = backend.lifecycle.admit()
         except RampartError as exc:
             account(request, request_id, False, started, exc.status, exc.code)
             return error_response(exc, request_id)
@@ -522,11 +523,10 @@ def routes(settings: Settings, backend: Callable[[], Backend],
         if missing is not None:
             return missing
         try:
-            service = backend()
-            lag_ms = service.loop_lag_ms()
+            lag_ms = backend.loop_lag_ms()
             deadline = http.parse_deadline(request, settings, lag_ms)
             high = http.parse_priority(request)
-            classifier = service.classifier
+            classifier = backend.classifier
             classifier.check_capacity(deadline, high)  # sheds (429) before the body is read
             limit = settings.max_batch_images * (settings.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
             body = await http.read_body(request, limit, deadline)  # /classify_batch's cap

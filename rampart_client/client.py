@@ -109,16 +109,19 @@ def parse_prediction(response: httpx.Response) -> Prediction:
 
 
 def parse_batch(response: httpx.Response) -> list[Prediction | RampartClientError]:
-    """One ``Prediction`` or error per image of a ``/classify_batch`` response, in order."""
+    """One ``Prediction`` or error per image of a ``/classify_batch`` response, in order.
+
+    A refused image's entry carries its HTTP ``status``, mapped as ``error_from_body`` maps a whole
+    response's: 429 ``Overloaded``, other 4xx ``ImageRejected``, anything else ``ServiceError``.
+    """
     body = _json(response)
     if response.status_code != 200:
         raise error_from_body(response.status_code, body, response.headers)
     request_id = body.get("request_id", "")
     out: list[Prediction | RampartClientError] = []
     for entry in body.get("results", []):
-        if "error" in entry:
-            status = 429 if entry["error"].get("code") == "overloaded" else 400
-            out.append(error_from_body(status, entry))
+        if "error" in entry:  # mapped on the image's own HTTP status, like a /classify answer
+            out.append(error_from_body(entry.get("status"), entry))
         else:
             out.append(Prediction.model_validate({"request_id": request_id, **entry}))
     return out

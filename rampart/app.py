@@ -1,0 +1,305 @@
+"""Rampart's HTTP layer: the Starlette app, built by ``create_app`` (no BentoML).
+
+Routes:
+
+- ``POST /classify``: a raw image body or multipart field ``image``.
+- ``POST /classify_batch``: multipart, field ``images`` repeated.
+- ``GET /stats``: admission queues, throughput, breaker state, runner counters.
+- ``/v2/...``: the Open Inference Protocol (KServe v2 / Triton HTTP), ``rampart.oip``.
+
+Routes read their state (classifier, lifecycle, loop lag, runner counters) from
+the ``AppState`` the app carries (``state_of(app)``), never from globals. Under
+``bentoml serve`` the app must exist when ``service.py`` is imported
+(``@bentoml.asgi_app``), before the service instance that owns the classifier, so
+``service.Rampart.__init__`` hands its parts over with ``attach``; an in-process
+test passes them to ``create_app`` directly. Until a lifecycle is attached and
+marked ready, every classify route answers 503 ``not_ready``.
+
+Every answer is counted (``rampart_responses_total``) and logged (one JSON line,
+``rampart.accesslog``) by ``finished``. 404/405 for paths no route serves come from
+``rampart.routing.JSONRouteErrors`` around the whole server; ``route_error_answered``
+accounts for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp
+
+from . import http, metrics, oip
+from .accesslog import log_request, server_timing
+from .config import Settings
+from .deadline import Deadline
+from .errors import InternalError, InvalidParameter, Overloaded, RampartError, Unavailable
+from .lifecycle import Lifecycle
+from .pipeline import Classifier
+
+__all__ = [
+    "AppState",
+    "Call",
+    "create_app",
+    "attach",
+    "state_of",
+    "classify_endpoint",
+    "read_images",
+    "classify",
+    "classify_batch",
+    "stats",
+    "refuse_before_admission",
+    "route_error_answered",
+    "finished",
+    "failed",
+    "batch_timings_ms",
+]
+
+logger = logging.getLogger("rampart.service")
+
+#: ``runner_stats(role)``: the runner's counters (``runners.common`` ``stats`` API) for ``primary`` or
+#: ``fallback``, or None while it cannot answer.
+RunnerStats = Callable[[str], Awaitable["dict | None"]]
+
+
+async def _no_runner_stats(role: str) -> dict | None:
+    return None
+
+
+@dataclass
+class AppState:
+    """What the routes need: ``settings``, and from ``attach`` the ``classifier``, the ``lifecycle``,
+    ``loop_lag_ms()`` (the event loop's recent lag, ms, kept back from each deadline) and
+    ``runner_stats`` (for ``GET /stats``)."""
+
+    settings: Settings
+    classifier: Classifier | None = None
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)  # not ready until attached and marked ready
+    loop_lag_ms: Callable[[], float] = lambda: 0.0
+    runner_stats: RunnerStats = _no_runner_stats
+
+    def ready(self) -> bool:
+        """Whether requests are admitted: warmed up (``Lifecycle.mark_ready``) and not draining (``/readyz``)."""
+        return self.lifecycle.ready and not self.lifecycle.draining
+
+
+@dataclass
+class Call:
+    """One classify request as its handler sees it; ``top_k``, ``deadline`` and ``high`` are set by
+    ``read_images`` (``high`` stays False when the request fails before ``X-Priority`` is read)."""
+
+    request: Request
+    request_id: str
+    started: float  # time.perf_counter() at the handler's start
+    high: bool = False
+    top_k: int = 0
+    deadline: Deadline | None = None
+
+
+Handler = Callable[[Request, AppState], Awaitable[Response]]
+
+
+def state_of(app: Starlette) -> AppState:
+    """The ``AppState`` of an app made by ``create_app``."""
+    return app.state.rampart
+
+
+def create_app(settings: Settings, *, classifier: Classifier | None = None, lifecycle: Lifecycle | None = None,
+               loop_lag_ms: Callable[[], float] | None = None, runner_stats: RunnerStats | None = None) -> Starlette:
+    """The Starlette app of Rampart's routes (module doc) for ``settings``.
+
+    The other arguments are those of ``attach``; left out, they can be attached later.
+    """
+    state = AppState(settings)
+    classify_route = _bind(_admitted(classify), state)
+    app = Starlette(routes=[
+        Route("/classify", classify_route, methods=["POST"]),
+        Route("/classify_batch", _bind(_admitted(classify_batch), state), methods=["POST"]),
+        Route("/stats", _bind(stats, state), methods=["GET"]),
+        *oip.routes(settings, state, finished),
+    ])
+    app.state.rampart = state
+    app.state.classify = classify_route
+    attach(app, classifier=classifier, lifecycle=lifecycle, loop_lag_ms=loop_lag_ms, runner_stats=runner_stats)
+    return app
+
+
+def attach(app: Starlette, *, classifier: Classifier | None = None, lifecycle: Lifecycle | None = None,
+           loop_lag_ms: Callable[[], float] | None = None, runner_stats: RunnerStats | None = None) -> AppState:
+    """Give ``app``'s routes what they serve with; each argument left as None keeps what the app has.
+
+    ``classifier``: the pipeline; ``lifecycle``: start-up and drain state (requests are refused
+    503 until it is ready); ``loop_lag_ms()``: the event loop's recent lag in ms (default 0);
+    ``runner_stats(role)``: a runner's counters for ``GET /stats`` (default None). Returns the state.
+    """
+    state = state_of(app)
+    given = {"classifier": classifier, "lifecycle": lifecycle, "loop_lag_ms": loop_lag_ms,
+             "runner_stats": runner_stats}
+    for name, value in given.items():
+        if value is not None:
+            setattr(state, name, value)
+    return state
+
+
+def classify_endpoint(app: Starlette) -> Callable[[Request], Awaitable[Response]]:
+    """The coroutine behind ``POST /classify`` (admission included), for another route to call with its request."""
+    return app.state.classify
+
+
+def _bind(handler: Handler, state: AppState) -> Callable[[Request], Awaitable[Response]]:
+    """A Starlette endpoint calling ``handler(request, state)``."""
+
+    async def endpoint(request: Request) -> Response:
+        return await handler(request, state)
+
+    endpoint.__name__, endpoint.__doc__ = handler.__name__, handler.__doc__
+    return endpoint
+
+
+def _admitted(handler: Handler) -> Handler:
+    """``handler``, refused with 503 before warm-up and during the drain, and counted in flight otherwise
+    (``rampart.lifecycle.Lifecycle.admit``): a drain waits for every request it let in."""
+
+    async def route(request: Request, state: AppState) -> Response:
+        try:
+            admission = state.lifecycle.admit()
+        except Unavailable as exc:
+            return failed(request, http.request_id_of(request), False, time.perf_counter(), exc)
+        with admission:
+            return await handler(request, state)
+
+    route.__name__, route.__doc__ = handler.__name__, handler.__doc__
+    return route
+
+
+async def read_images(call: Call, state: AppState, field: str, max_files: int,
+                      raw_body: bool) -> list[tuple[str, bytes]]:
+    """The prologue both classify routes share: parameters, shedding, then the body.
+
+    Reads ``top_k``, ``X-Deadline-Ms`` and ``X-Priority`` into ``call`` (``InvalidParameter``),
+    refuses a non-multipart body unless ``raw_body`` (``InvalidParameter``), sheds with
+    ``Overloaded`` (429) before the body is read (``Classifier.check_capacity``), then reads
+    ``(filename, bytes)`` of 1..``max_files`` parts named ``field``, or the raw body as one
+    image named ``""`` (errors: ``rampart.http.read_multipart`` / ``read_body``).
+    """
+    request, settings = call.request, state.settings
+    call.top_k = http.parse_top_k(request)
+    call.deadline = http.parse_deadline(request, settings, state.loop_lag_ms())
+    call.high = http.parse_priority(request)
+    multipart = http.is_multipart(request)
+    if not multipart and not raw_body:
+        raise InvalidParameter(f"send multipart/form-data with one or more parts named {field!r}")
+    state.classifier.check_capacity(call.deadline, call.high)  # sheds (429) before the body is read
+    if multipart:
+        return await http.read_multipart(request, field, max_files, settings.max_body_bytes, call.deadline)
+    return [("", await http.read_body(request, settings.max_body_bytes, call.deadline))]
+
+
+async def classify(request: Request, state: AppState) -> Response:
+    """``POST /classify``: one image, raw body (format sniffed) or multipart field ``image``."""
+    call = Call(request, http.request_id_of(request), time.perf_counter())
+    try:
+        ((_, data),) = await read_images(call, state, "image", 1, raw_body=True)
+        result = await state.classifier.classify(data, call.top_k, call.deadline, call.high)
+    except Exception as exc:
+        return failed(request, call.request_id, call.high, call.started, exc)
+    result["timings_ms"] = {"before_handler": round(call.deadline.before_handler_ms(), 3), **result["timings_ms"]}
+    response = JSONResponse({"request_id": call.request_id, **result},
+                            headers={"X-Request-Id": call.request_id,
+                                     "Server-Timing": server_timing(result["timings_ms"])})
+    finished(request, call.request_id, call.high, call.started, 200, "ok", result)
+    return response
+
+
+async def classify_batch(request: Request, state: AppState) -> Response:
+    """``POST /classify_batch``: multipart field ``images`` repeated; one entry per image, in order.
+
+    An image refused on its own gets an entry with its HTTP ``status`` and error body instead of a result.
+    """
+    call = Call(request, http.request_id_of(request), time.perf_counter())
+    try:
+        files = await read_images(call, state, "images", state.settings.max_batch_images, raw_body=False)
+    except Exception as exc:
+        return failed(request, call.request_id, call.high, call.started, exc)
+    results = await asyncio.gather(*(_batch_entry(state.classifier, call, i, name, data)
+                                     for i, (name, data) in enumerate(files)))
+    timings = batch_timings_ms(results, (time.perf_counter() - call.started) * 1000.0)
+    warnings = sorted({warning for result in results for warning in result.get("input_warnings", ())})
+    finished(request, call.request_id, call.high, call.started, 200, "ok", images=len(results), input_warnings=warnings)
+    return JSONResponse({"request_id": call.request_id, "results": results},
+                        headers={"X-Request-Id": call.request_id, "Server-Timing": server_timing(timings)})
+
+
+async def _batch_entry(classifier: Classifier, call: Call, index: int, filename: str, data: bytes) -> dict:
+    """One ``/classify_batch`` entry: ``index``, ``filename`` and the result, or ``status`` and ``error``."""
+    entry = {"index": index, "filename": filename}
+    try:
+        return {**entry, **(await classifier.classify(data, call.top_k, call.deadline, call.high))}
+    except RampartError as exc:
+        error = exc
+    except Exception:
+        logger.exception("unexpected failure for image %d of request %s", index, call.request_id)
+        error = InternalError("an unexpected error occurred")
+    return {**entry, "status": error.status, **error.to_body(call.request_id)}
+
+
+def batch_timings_ms(results: list[dict], total_ms: float) -> dict[str, float]:
+    """A batch's stage timings (ms): per stage the longest over its answered images, and the whole request's total.
+
+    The images run concurrently, so the longest of each stage is the one that shaped the answer time.
+    """
+    answered = [entry["timings_ms"] for entry in results if "timings_ms" in entry]
+    stages = {stage: max(t[stage] for t in answered) for stage in ("decode", "queue", "inference")} if answered else {}
+    return {**stages, "total": round(total_ms, 1)}
+
+
+async def stats(request: Request, state: AppState) -> Response:
+    """``GET /stats``: admission queues, measured throughput, breaker state, runner counters."""
+    body = state.classifier.state()
+    body["lifecycle"] = {"state": state.lifecycle.state, "in_flight": state.lifecycle.in_flight}
+    for role in ("primary", "fallback"):
+        body[role]["runner"] = await state.runner_stats(role)
+    return JSONResponse(body)
+
+
+def failed(request: Request, request_id: str, high: bool, started: float, exc: Exception) -> JSONResponse:
+    """The error response for ``exc`` (a ``RampartError``, else a logged 500), accounted and logged."""
+    if not isinstance(exc, RampartError):
+        logger.exception("unexpected failure for request %s", request_id, exc_info=exc)
+        exc = InternalError("an unexpected error occurred; see the server log")
+    finished(request, request_id, high, started, exc.status, exc.code)
+    return http.error_response(exc, request_id)
+
+
+def route_error_answered(request: Request, request_id: str, started: float, error: RampartError) -> None:
+    """Account and log a 404/405 answered by ``rampart.routing.JSONRouteErrors``."""
+    finished(request, request_id, False, started, error.status, error.code)
+
+
+def finished(request: Request, request_id: str, high: bool, started: float, status: int, code: str,
+             result: dict | None = None, **extra: object) -> None:
+    """Count the answer (``rampart_responses_total``) and write its access-log line."""
+    metrics.RESPONSES.labels(str(status), code).inc()
+    metrics.update_process_rss("api")
+    log_request(request_id, request.url.path, status, code, high, (time.perf_counter() - started) * 1000.0,
+                result, **extra)
+
+
+def refuse_before_admission(app: Starlette) -> ASGIApp:
+    """The ASGI app answering 429 ``overloaded`` to a request over the in-flight bound (``rampart.arrival``),
+    before any middleware, with ``app``'s classifier's ``Retry-After``."""
+    state = state_of(app)
+
+    async def refuse(scope, receive, send) -> None:
+        request = Request(scope, receive)
+        error = Overloaded("too many requests in flight; retry later", state.classifier.retry_after_s())
+        response = failed(request, http.request_id_of(request), False, time.perf_counter(), error)
+        await response(scope, receive, send)
+
+    return refuse
