@@ -25,7 +25,7 @@ from rampart.config import Settings
 from rampart.lifecycle import Lifecycle
 from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
 from rampart.routing import JSONRouteErrors
-from tests.conftest import encode, photo
+from tests.support import encode, photo
 
 LABELS = [f"class {i}" for i in range(1000)]
 CAT = encode(photo("chelsea"))
