@@ -37,10 +37,11 @@ Confidence of the fallback (small) model, from its probability row ``p`` (C,):
   Models" (Wang, Kondratyuk et al., ICLR 2022); also the baseline confidence of
   Hendrycks & Gimpel, "A Baseline for Detecting Misclassified and
   Out-of-Distribution Examples in Neural Networks" (ICLR 2017).
-- ``margin``: top-1 minus top-2 probability, the margin (best-versus-second-best)
-  measure of margin-based uncertainty sampling (Scheffer, Decomain & Wrobel,
-  "Active Hidden Markov Models for Information Extraction", IDA 2001) and of
-  confidence-based cascades such as IDK cascades (Wang et al., 2017).
+- ``margin``: top-1 minus top-2 probability, the best-versus-second-best margin
+  of margin-based uncertainty sampling (Scheffer, Decomain & Wrobel, "Active
+  Hidden Markov Models for Information Extraction", IDA 2001). The issue's other
+  cascades, IDK cascades (Wang et al., 2017) and Tabi (EuroSys 2023), gate on a
+  model's confidence too; Tabi calibrates it first, which this command does not.
 
 For a threshold ``t`` the cascade answers with the fallback's top-1 where its
 confidence ≥ ``t`` and with the primary's otherwise. ``agreement(t)`` is the share
@@ -411,16 +412,17 @@ def evaluate(images: list[EvalImage], models: dict[str, LoadedModel], settings: 
                                      for q in (0.05, 0.25, 0.5, 0.75, 0.95)},
         }
     shares = {kind: kinds[kind]["small_share_at_chosen"] for kind in CONFIDENCE_KINDS}
-    best = max(CONFIDENCE_KINDS, key=lambda kind: (shares[kind], kind == "msp"))
+    best = max(CONFIDENCE_KINDS,
+               key=lambda kind: (shares[kind], kinds[kind]["chosen_threshold"] is not None, kind == "msp"))
     if all(kinds[kind]["chosen_threshold"] is None for kind in CONFIDENCE_KINDS):
         recommendation = {"kind": None, "threshold": None,
-                          "reason": f"no threshold keeps top-1 agreement with the primary at or above {target:.2%}"}
+                          "reason": f"no threshold keeps top-1 agreement with the primary at or above {target * 100:g}%"}
     else:
         others = ", ".join(f"{kind} {shares[kind]:.1%} at threshold {kinds[kind]['chosen_threshold']}"
                            for kind in CONFIDENCE_KINDS if kind != best)
         recommendation = {
             "kind": best, "threshold": kinds[best]["chosen_threshold"],
-            "reason": (f"at {target:.0%} top-1 agreement with the primary, {best} lets the small model answer "
+            "reason": (f"at {target * 100:g}% top-1 agreement with the primary, {best} lets the small model answer "
                        f"{shares[best]:.1%} of the {len(kept)} images at threshold {kinds[best]['chosen_threshold']} "
                        f"(vs {others}); the larger share wins (ties: msp)"),
         }
@@ -429,7 +431,8 @@ def evaluate(images: list[EvalImage], models: dict[str, LoadedModel], settings: 
                      + ("; accuracy against the given labels is reported too" if labelled else "")),
         "cascade_rule": "the fallback answers when its confidence >= threshold, else the primary answers",
         "confidence_kinds": {"msp": "maximum softmax probability of the fallback (Wisdom of Committees, ICLR 2022)",
-                             "margin": "top-1 minus top-2 softmax probability of the fallback"},
+                             "margin": "top-1 minus top-2 softmax probability of the fallback (margin sampling, "
+                                       "Scheffer et al., IDA 2001)"},
         "models": {role: model.tag for role, model in models.items()},
         "device": {"primary": str(getattr(models["primary"].engine, "device", "cpu")),
                    "fallback": ",".join(getattr(models["fallback"].engine, "providers", ["?"]))},
@@ -443,7 +446,8 @@ def evaluate(images: list[EvalImage], models: dict[str, LoadedModel], settings: 
         "kinds": kinds,
         "recommendation": recommendation,
         "inference_s": round(seconds, 2),
-        "python": platform.python_version(),
+        "versions": {"python": platform.python_version(), "torch": _version("torch"),
+                     "onnxruntime": _version("onnxruntime"), "pillow": _version("PIL")},
         "records": [
             {"name": image.name, "primary_top1": int(large_top1[i]), "fallback_top1": int(small_top1[i]),
              **{kind: round(float(confidence[kind][i]), 6) for kind in CONFIDENCE_KINDS},
@@ -455,6 +459,13 @@ def evaluate(images: list[EvalImage], models: dict[str, LoadedModel], settings: 
         report["accuracy"] = {"primary_only": round(float((large_top1 == truth).mean()), 6),
                               "fallback_only": round(float((small_top1 == truth).mean()), 6)}
     return report
+
+
+def _version(module: str) -> str:
+    """``module.__version__`` (the distribution's name may differ: onnxruntime or onnxruntime-gpu)."""
+    import importlib
+
+    return str(importlib.import_module(module).__version__)
 
 
 def plot(report: dict, path: Path) -> None:

@@ -73,7 +73,7 @@ def test_chosen_threshold_is_the_lowest_that_meets_the_target(quick):
     target = report["target_agreement"]
     for kind, data in report["kinds"].items():
         chosen = data["chosen_threshold"]
-        assert chosen is not None, kind  # threshold 1.0 leaves at most the images with msp == 1.0 to the small model
+        assert chosen is not None, kind
         index = report["thresholds"].index(chosen)
         assert data["agreement"][index] >= target and data["agreement_at_chosen"] >= target
         assert all(a < target for a in data["agreement"][:index])
