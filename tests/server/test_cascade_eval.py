@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from bench.cascade_eval import folder_set, main
-from tests.conftest import encode, photo
+from tests.support import encode, photo
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
