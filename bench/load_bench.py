@@ -137,7 +137,7 @@ def raw_ceiling(batch_sizes: list[int], repeats: int) -> dict:
     import bentoml
 
     from bench.baselines.common import load_primary
-    from runners.engines import OnnxClassifier
+    from inference.engines import OnnxClassifier
 
     primary, _, primary_res = load_primary()
     stored = bentoml.models.get("rampart-fallback:latest")

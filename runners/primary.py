@@ -27,8 +27,8 @@ class Primary(BucketedRunner):
     def __init__(self) -> None:
         import torch
 
-        from models.architectures import create_architecture
-        from runners.engines import TorchClassifier
+        from inference.architectures import create_architecture
+        from inference.engines import TorchClassifier
 
         meta = self.model.info.metadata
         module = create_architecture(meta["family"], meta["arch"], num_classes=len(meta["labels"]))

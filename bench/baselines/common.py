@@ -21,8 +21,8 @@ def load_primary():
     import bentoml
     import torch
 
-    from models.architectures import create_architecture
-    from runners.engines import TorchClassifier
+    from inference.architectures import create_architecture
+    from inference.engines import TorchClassifier
 
     stored = bentoml.models.get("rampart-primary:latest")
     meta = stored.info.metadata

@@ -24,7 +24,8 @@ def test_bentoml_build_packs_models_and_dockerfile(tmp_path):
         bento_path = Path(bento.path)
         dockerfile = bento_path / "env" / "docker" / "Dockerfile"
         assert dockerfile.is_file() and "bentoml" in dockerfile.read_text().lower()
-        assert (bento_path / "src" / "service.py").is_file() and (bento_path / "src" / "runners" / "primary.py").is_file()
+        packed = {"service.py", "runners/primary.py", "inference/engines.py", "inference/architectures.py"}
+        assert all((bento_path / "src" / path).is_file() for path in packed), packed
         requirements = (bento_path / "env" / "python" / "requirements.txt").read_text()
         assert "bentoml==1.4.29" in requirements and "torch==2.14.1" in requirements
         # The exported archive (what `bentoml containerize` and `bentoml push` ship) carries the model files.

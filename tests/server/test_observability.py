@@ -87,6 +87,25 @@ def test_request_id_server_timing_and_one_json_log_line(server):
     assert json.loads(bad_line)["code"] == "empty_body"
 
 
+def test_one_log_line_per_request(server):
+    """The default server writes Rampart's JSON access line per request and nothing else (no runner access lines)."""
+    requests = 12
+    before = len(server.log_path.read_text(errors="replace").splitlines())
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for i in range(requests):
+            name = sorted(PHOTOS)[i % len(PHOTOS)]
+            response = client.post("/classify", content=encode(photo(name)), headers={"X-Request-Id": f"obs-count-{i}"})
+            assert response.status_code == 200
+        # /stats calls both runners: once it answers, their lines for the batches before it are written.
+        assert client.get("/stats").status_code == 200
+    new = server.log_path.read_text(errors="replace").splitlines()[before:]
+    ours = [line for line in new if '"obs-count-' in line]
+    assert len(ours) == requests, ours
+    assert all(json.loads(line)["path"] == "/classify" for line in ours)
+    others = [line for line in new if '"obs-count-' not in line]
+    assert len(others) <= 2, others[:6]  # a runner access line per call would be one more line per request
+
+
 def queried_metrics(exprs: list[str]) -> set[str]:
     """The ``rampart_*`` / ``bentoml_*`` sample names that PromQL expressions ``exprs`` read."""
     unquoted = [re.sub(r'"[^"]*"', '""', expr) for expr in exprs]  # label values are not metric names

@@ -17,7 +17,7 @@ from rampart.cache import CachedAnswer, ResultCache, content_key
 from rampart.errors import Overloaded
 from rampart.faults import FaultInjector, FaultSpec, InjectedFault
 from rampart.pool import BoundedPool, JobTimeout
-from runners.engines import TorchClassifier
+from inference.engines import TorchClassifier
 
 
 def test_meter_divides_completions_by_busy_time_and_honours_override():
