@@ -74,6 +74,7 @@ from PIL import Image
 # The models' code, imported in one place (another branch may move these modules).
 from inference.architectures import create_architecture
 from inference.engines import OnnxClassifier, TorchClassifier
+from rampart.results import CONFIDENCE_KINDS, confidences
 
 from rampart.buckets import Bucket, buckets_for_resolution
 from rampart.config import Settings, get_settings
@@ -82,11 +83,9 @@ from rampart.errors import ImageError
 from rampart.pipeline import decode_limits
 
 __all__ = ["EvalImage", "LoadedModel", "CONFIDENCE_KINDS", "base_photos", "variants", "evaluation_set",
-           "variant_names", "folder_set", "load_models", "predict", "confidences", "threshold_curve", "choose_threshold",
+           "variant_names", "folder_set", "load_models", "predict", "threshold_curve", "choose_threshold",
            "evaluate", "plot", "main"]
 
-#: Confidence measures of the fallback's probability row; see the module docstring.
-CONFIDENCE_KINDS: tuple[str, ...] = ("msp", "margin")
 #: Photos in ``--quick`` mode and the variants each gets there (names from ``variants``).
 QUICK_PHOTOS: tuple[str, ...] = ("chelsea", "coffee", "astronaut", "china")
 QUICK_VARIANTS: tuple[str, ...] = ("full", "full_flip", "crop60_centre", "full_jpeg20", "full_rot+10", "full_scale0.5")
@@ -339,12 +338,6 @@ def predict(images: list[EvalImage], models: dict[str, LoadedModel], settings: S
                 out[[row for row, _ in chunk]] = model.engine.predict(batch)
         probs[role] = out
     return probs, accepted, refused
-
-
-def confidences(probs: np.ndarray) -> dict[str, np.ndarray]:
-    """Both confidence measures of a float32 N×C probability array: ``{"msp", "margin"}``, each float32 (N,) in [0, 1]."""
-    top2 = -np.partition(-probs, 1, axis=1)[:, :2]
-    return {"msp": top2[:, 0].astype(np.float32), "margin": (top2[:, 0] - top2[:, 1]).astype(np.float32)}
 
 
 def threshold_curve(confidence: np.ndarray, small_top1: np.ndarray, large_top1: np.ndarray,

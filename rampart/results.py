@@ -10,10 +10,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-__all__ = ["MAX_TOP_K", "softmax", "top_classes", "label_entries", "top_labels"]
+__all__ = ["MAX_TOP_K", "CONFIDENCE_KINDS", "softmax", "top_classes", "label_entries", "top_labels", "confidences"]
 
 #: Most labels a request may ask for (``top_k``).
 MAX_TOP_K = 20
+
+#: How sure a model is of its top-1 answer (``confidences``): ``msp``, the maximum softmax
+#: probability, the exit rule of "Wisdom of Committees" (Wang et al., ICLR 2022); ``margin``,
+#: top-1 minus top-2 probability, as in margin sampling (Scheffer et al., IDA 2001).
+CONFIDENCE_KINDS: tuple[str, ...] = ("msp", "margin")
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:
@@ -48,3 +53,13 @@ def top_labels(probs: np.ndarray, labels: Sequence[str], k: int) -> list[dict]:
     if probs.shape != (len(labels),):
         raise ValueError(f"probabilities have shape {probs.shape}, labels have length {len(labels)}")
     return label_entries(*top_classes(probs, k), labels)
+
+
+def confidences(probs: np.ndarray) -> dict[str, np.ndarray]:
+    """Both confidence measures (``CONFIDENCE_KINDS``) of a float32 N×C probability array.
+
+    Returns ``{"msp": float32 (N,), "margin": float32 (N,)}``, each in [0, 1]. The cascade
+    (``rampart.pipeline``) and its calibration (``bench.cascade_eval``) both use this.
+    """
+    top2 = -np.partition(-probs, 1, axis=1)[:, :2]
+    return {"msp": top2[:, 0].astype(np.float32), "margin": (top2[:, 0] - top2[:, 1]).astype(np.float32)}
