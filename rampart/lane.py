@@ -34,7 +34,7 @@ from .deadline import Deadline, Share, run_within
 
 __all__ = ["RunnerAnswer", "RunnerCall", "ModelEndpoint", "Attempt", "ModelLane"]
 
-logger = logging.getLogger("rampart.pipeline")
+logger = logging.getLogger("rampart.pipeline")  # the lanes log as part of the pipeline, as before
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class ModelLane:
     #: A busy runner answers about once per batch time, and the measured speed already includes CPU
     #: starvation on a saturated host (issue 9: with the call's own wait as the only limit, 256
     #: connections opened the breaker). Twice that, so a hung model is still caught within about a
-    #: second (tests/test_fallback.py's drill: two rounds of 8 requests).
+    #: second (the fault drill of test_fallback.py: two rounds of 8 requests).
     STALL_BATCHES = 2
 
     def __init__(self, role: str, endpoint: ModelEndpoint, gate: AdmissionGate, breaker: CircuitBreaker | None,

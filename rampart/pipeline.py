@@ -92,7 +92,12 @@ class Admission:
 
 
 class Classifier:
-    """Classifies one upload within its deadline, degrading honestly; see the module doc."""
+    """Classifies one upload within its deadline, degrading honestly; see the module doc.
+
+    The deadline's slices come with each ``Deadline`` (``rampart.http.parse_deadline``
+    cuts them from the settings with ``Deadline.sliced``); the classifier cuts none:
+    the primary's lane spends ``Share.PRIMARY``, the fallback's and decoding ``Share.ALL``.
+    """
 
     def __init__(self, settings: Settings, primary: ModelEndpoint, fallback: ModelEndpoint, pool: BoundedPool) -> None:
         self.settings = settings
