@@ -67,8 +67,8 @@ def model_endpoint(tag: str, runner) -> ModelEndpoint:
     meta = stored.info.metadata
     remote = getattr(runner, "to_async", None)
 
-    async def call(bucket_name: str, pixels, deadline: float) -> RunnerAnswer:
-        items = [RunnerItem(pixels=pixels, deadline=deadline)]
+    async def call(bucket_name: str, pixels, deadline_epoch_s: float) -> RunnerAnswer:
+        items = [RunnerItem(pixels=pixels, deadline_epoch_s=deadline_epoch_s)]
         if remote is not None:
             (result,) = await getattr(remote, bucket_name)(items)
         else:

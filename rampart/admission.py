@@ -7,15 +7,17 @@ forming. Requests beyond that wait in the gate's own queue, high priority first,
 then in arrival order, so the runner's queue stays short and priority means
 something (BentoML's dispatcher itself is first in, first out).
 
-Queued requests include those still being decoded: the place is reserved on
-arrival. The wait queue is bounded by measured throughput × the acceptable queueing delay
-(``queue_delay_ms``), as in the seed's sizing rule: 200 img/s × 0.2 s = 40. The
-throughput comes from ``ThroughputMeter``: seeded by the runner's warm-up, then
-measured online from completions while the model is busy, or fixed by
-configuration.
+Queued requests include those still being decoded: the place is taken once the
+body is in, before decoding. The wait queue is bounded by measured throughput ×
+the acceptable queueing delay (``queue_delay_ms``), as in the seed's sizing rule:
+200 img/s × 0.2 s = 40. The throughput comes from ``ThroughputMeter``: seeded by the
+runner's warm-up, then measured online from completions while the model is busy,
+or fixed by configuration.
 
-On arrival, before its body is even read (``AdmissionGate.reserve``, a few
-microseconds, no I/O), a request takes a ``Ticket`` or is shed with ``Shed`` when
+Admission asks one question, ``AdmissionGate.refusal`` (a few microseconds, no
+I/O), twice: on arrival, before the body is read, ``has_room`` only looks (so
+shedding costs next to nothing and a slow upload holds no place); once the body
+is in, ``reserve`` takes a ``Ticket``. A request is refused (``Shed``) when
 
 - the gate is full (``queue_full``); a high-priority arrival instead evicts the
   newest queued normal request, which is shed with ``evicted``;
@@ -44,7 +46,8 @@ DECODING = "decoding"
 
 
 class Shed(Exception):
-    """A request was not admitted (or was evicted); ``reason`` is ``queue_full``, ``predicted_late`` or ``evicted``."""
+    """A request was not admitted (or was evicted); ``reason`` is ``queue_full``, ``predicted_late`` or ``evicted``
+    from a gate, ``timeout`` or ``circuit_open`` from a model lane (``rampart.lane``)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -143,7 +146,7 @@ class ThroughputMeter:
 
 
 class Ticket:
-    """A place in an ``AdmissionGate``, reserved when the request arrives (before its body is decoded).
+    """A place in an ``AdmissionGate``, taken once the request's body is in (before it is decoded).
 
     ``async with ticket.turn():`` waits until the gate dispatches it and holds the
     dispatch slot for the runner call; ``cancel()`` gives back a ticket that will
@@ -212,9 +215,10 @@ class AdmissionGate:
 
     ``max_batch_size`` and ``concurrent_batches`` describe the runner;
     ``queue_delay_ms`` is the acceptable queueing delay that sizes the wait queue
-    (never below one batch). ``reserve(high, budget_s)`` on arrival returns a
-    ``Ticket`` or raises ``Shed``; ``async with ticket.turn():`` goes around the
-    runner call.
+    (never below one batch). ``has_room(high, budget_s)`` answers on arrival
+    whether a request would get a place; ``reserve(high, budget_s)``, once its body
+    is in, returns a ``Ticket`` or raises ``Shed`` (both decide with ``refusal``);
+    ``async with ticket.turn():`` goes around the runner call.
     """
 
     def __init__(self, name: str, max_batch_size: int, concurrent_batches: int, queue_delay_ms: float,
@@ -263,18 +267,38 @@ class AdmissionGate:
             images = math.ceil(images / self.max_batch_size) * self.max_batch_size
         return images * ms / 1000.0
 
-    def reserve(self, high: bool, budget_s: float) -> Ticket:
-        """Admit a request that has ``budget_s`` seconds left, or raise ``Shed`` at once.
+    def refusal(self, high: bool, budget_s: float) -> Shed | None:
+        """Why a request with ``budget_s`` seconds left and priority ``high`` would be shed now, or None when
+        it may take a place; changes nothing.
 
-        Full means ``window`` dispatched plus ``queue_limit`` queued; a high-priority
-        request then evicts the newest queued normal one instead of being shed.
+        ``predicted_late`` when its predicted completion (``predicted_s``) is past
+        ``budget_s``, unless the gate is idle (the meter may be stale); ``queue_full``
+        when ``window`` are dispatched and ``queue_limit`` queued, unless it is high
+        priority and a normal request is queued (``reserve`` then evicts it).
         """
         predicted = self.predicted_s(high)
         idle = self.dispatched == 0 and (self.queued_high if high else self.queued) == 0
         if predicted > budget_s and not idle:  # an idle model always gets a try: the meter may be stale
-            raise Shed("predicted_late", f"{self.name}: predicted {predicted * 1000:.0f} ms > {budget_s * 1000:.0f} ms left")
-        if self.dispatched + self.queued >= self.window + self.queue_limit and not (high and self._evict_newest_normal()):
-            raise Shed("queue_full", f"{self.name}: {self.queued} requests queued, the limit is {self.queue_limit}")
+            return Shed("predicted_late", f"{self.name}: predicted {predicted * 1000:.0f} ms > {budget_s * 1000:.0f} ms left")
+        if self._full() and not (high and self._newest_normal() is not None):
+            return Shed("queue_full", f"{self.name}: {self.queued} requests queued, the limit is {self.queue_limit}")
+        return None
+
+    def has_room(self, high: bool, budget_s: float) -> bool:
+        """Whether ``reserve(high, budget_s)`` would succeed now, without reserving anything."""
+        return self.refusal(high, budget_s) is None
+
+    def reserve(self, high: bool, budget_s: float) -> Ticket:
+        """Admit a request that has ``budget_s`` seconds left, or raise the ``Shed`` of ``refusal`` at once.
+
+        When the gate is full, a high-priority request evicts the newest queued normal
+        one (which is shed with ``evicted``) and takes its place.
+        """
+        shed = self.refusal(high, budget_s)
+        if shed is not None:
+            raise shed
+        if self._full():
+            self._evict(self._newest_normal())
         ticket = Ticket(self, high, next(self._seq))
         self._pending[ticket.seq] = ticket
         self.queued += 1
@@ -283,14 +307,8 @@ class AdmissionGate:
         self.on_change(self)
         return ticket
 
-    def has_room(self, high: bool, budget_s: float) -> bool:
-        """Whether ``reserve(high, budget_s)`` would succeed now, without reserving anything."""
-        idle = self.dispatched == 0 and (self.queued_high if high else self.queued) == 0
-        if self.predicted_s(high) > budget_s and not idle:
-            return False
-        if self.dispatched + self.queued < self.window + self.queue_limit:
-            return True
-        return high and any(not ticket.high for ticket in self._pending.values())
+    def _full(self) -> bool:
+        return self.dispatched + self.queued >= self.window + self.queue_limit
 
     def drain_s(self) -> float:
         """Seconds until everything dispatched and queued now has been answered (0 before any measurement)."""
@@ -355,12 +373,13 @@ class AdmissionGate:
     def _heap_has_waiters(self) -> bool:
         return any(t.queued and t.future is not None and not t.future.done() for _, _, t in self._heap)
 
-    def _evict_newest_normal(self) -> bool:
-        for ticket in reversed(self._pending.values()):
-            if not ticket.high:
-                self._forget(ticket)
-                ticket.evicted = True
-                if ticket.future is not None and not ticket.future.done():
-                    ticket.future.set_exception(Shed("evicted", f"{self.name}: evicted by a high-priority request"))
-                return True
-        return False
+    def _newest_normal(self) -> Ticket | None:
+        """The normal-priority ticket queued last, or None."""
+        return next((ticket for ticket in reversed(self._pending.values()) if not ticket.high), None)
+
+    def _evict(self, ticket: Ticket) -> None:
+        """Take ``ticket``'s place away; its ``turn()`` raises ``Shed("evicted")``."""
+        self._forget(ticket)
+        ticket.evicted = True
+        if ticket.future is not None and not ticket.future.done():
+            ticket.future.set_exception(Shed("evicted", f"{self.name}: evicted by a high-priority request"))

@@ -13,7 +13,7 @@ model count. The pipeline counts a timeout as a failure only when the runner
 sent nothing back at all while the call waited (no answer, not even a late one
 for a caller that had given up, and no TTL drop) and has been silent for longer
 than two full batches at its last measured speed (see
-``rampart.pipeline.ModelLane``). An overloaded model keeps answering, only not
+``rampart.lane.ModelLane``). An overloaded model keeps answering, only not
 in time for everyone, so overload alone never opens the breaker; a hung model
 (nothing comes back) or a failing one (errors) does. A model that is merely slow
 is the admission gate's business: its measured throughput falls and requests go
@@ -37,7 +37,8 @@ class CircuitBreaker:
     """Closed → open on a failure rate over a time window; half-open probes close it again.
 
     Call ``allow()`` before a call; when it returns True, call ``record(ok)`` exactly
-    once afterwards, or ``cancel()`` if the call never reached the model.
+    once afterwards, or ``cancel()`` if the call never reached the model. ``would_allow()``
+    asks the same question without taking a probe.
     """
 
     def __init__(self, window_s: float = 10.0, min_calls: int = 10, failure_rate: float = 0.5,
@@ -63,15 +64,18 @@ class CircuitBreaker:
             self._probes_in_flight = self._probe_successes = 0
         return self._state
 
-    def allow(self) -> bool:
-        """Whether a call may go to the model now (in half-open: as one of ``probes`` probes)."""
+    def would_allow(self) -> bool:
+        """Whether ``allow()`` would return True now (closed, or half-open with a probe free); changes nothing."""
         state = self.state
-        if state == CLOSED:
-            return True
-        if state == HALF_OPEN and self._probes_in_flight < self.probes:
+        return state == CLOSED or (state == HALF_OPEN and self._probes_in_flight < self.probes)
+
+    def allow(self) -> bool:
+        """Whether a call may go to the model now; in half-open the call takes one of the ``probes`` probes."""
+        if not self.would_allow():
+            return False
+        if self._state == HALF_OPEN:
             self._probes_in_flight += 1
-            return True
-        return False
+        return True
 
     def record(self, ok: bool) -> None:
         """The outcome of an allowed call: ``ok`` False for an error, timeout or TTL drop."""

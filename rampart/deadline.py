@@ -1,38 +1,88 @@
-"""Deadlines: one end-to-end budget per request, passed explicitly everywhere.
+"""Deadlines: one end-to-end budget per request, sliced in one place, passed explicitly everywhere.
 
 A ``Deadline`` is fixed when the request arrives (``X-Deadline-Ms``) and covers
 everything from its arrival (first byte, or a load balancer's ``X-Request-Start``:
 see ``rampart.arrival``) to the answer: waiting before the handler, body upload,
-decode, queueing and inference. The runners live in other processes, so what
-crosses to them is an absolute wall-clock time (``time.time()`` seconds), which
-is comparable across processes on one host.
+decode, queueing and inference. It carries its slices, all in milliseconds from
+the arrival::
+
+    |<------------------------------ budget_ms ------------------------------>|
+    |<------- Share.PRIMARY ------->|<- fallback_reserve_ms ->|<- margin_ms ->|
+    |<------------------ Share.ALL ------------------------->|
+
+- ``Share.ALL``: everything but the answer margin (``answer_margin_ms`` plus the
+  event loop's recent lag, so the answer is sent by the client's deadline): for the
+  body, decoding and the fallback;
+- ``Share.PRIMARY``: that, less ``fallback_reserve_ms``, which is kept for the
+  fallback when the primary is slow.
+
+``remaining_s`` and ``epoch_s`` are the only code that turns a slice into a
+duration or an instant. The runners live in other processes, so what crosses to
+them is the slice's end as an absolute wall-clock time (``epoch_s``, ``time.time()``
+seconds, the runner's ``deadline_epoch_s``), comparable across processes on one host.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, TypeVar
 
 if TYPE_CHECKING:
     from .arrival import Arrival
+    from .config import Settings
 
 T = TypeVar("T")
 
-__all__ = ["Deadline", "run_within"]
+__all__ = ["Share", "Deadline", "run_within"]
+
+
+class Share(enum.Enum):
+    """A slice of a request's budget that one step may spend (see the module doc)."""
+
+    #: Everything but the answer margin: body upload, decoding, the fallback.
+    ALL = "all"
+    #: Everything but the answer margin and the fallback reserve: the primary.
+    PRIMARY = "primary"
 
 
 @dataclass(frozen=True)
 class Deadline:
-    """An absolute deadline. ``budget_ms`` is the whole budget, counted from ``start_monotonic``
-    (``time.monotonic()`` s) = ``start_wall`` (``time.time()`` s), the request's arrival; ``arrival``
-    says how that was found (None: when the ``Deadline`` was made)."""
+    """A request's budget and its slices (ms), counted from its arrival.
+
+    ``budget_ms`` is the whole budget the client gave, counted from
+    ``start_monotonic`` (``time.monotonic()`` s) = ``start_wall`` (``time.time()`` s),
+    the request's arrival; ``arrival`` says how that was found (None: when the
+    ``Deadline`` was made). ``margin_ms`` is kept back at the end to send the answer,
+    ``fallback_reserve_ms`` is kept back from the primary for the fallback. With both
+    0 (the defaults) every share is the whole budget.
+    """
 
     budget_ms: float
     start_monotonic: float = field(default_factory=time.monotonic)
     start_wall: float = field(default_factory=time.time)
     arrival: "Arrival | None" = None
+    margin_ms: float = 0.0
+    fallback_reserve_ms: float = 0.0
+
+    @classmethod
+    def sliced(cls, budget_ms: float, arrival: "Arrival", settings: "Settings", loop_lag_ms: float = 0.0) -> "Deadline":
+        """The deadline of a request that arrived at ``arrival`` with ``budget_ms`` (ms, already validated).
+
+        Its margin is ``settings.answer_margin_ms`` + ``loop_lag_ms`` (the event loop's
+        recent lag), its fallback reserve ``settings.fallback_reserve_ms``.
+        """
+        return cls(budget_ms, arrival.monotonic, arrival.wall, arrival,
+                   margin_ms=settings.answer_margin_ms + loop_lag_ms,
+                   fallback_reserve_ms=settings.fallback_reserve_ms)
+
+    def share_ms(self, share: Share = Share.ALL) -> float:
+        """Milliseconds from the arrival to the end of ``share``: ``budget_ms`` less the margin (never below 0),
+        for ``Share.PRIMARY`` less the fallback reserve too (may be negative)."""
+        all_ms = max(self.budget_ms - self.margin_ms, 0.0)
+        return all_ms - self.fallback_reserve_ms if share is Share.PRIMARY else all_ms
 
     def before_handler_ms(self) -> float:
         """Milliseconds between the request's arrival and its handler's start (0 when unknown)."""
@@ -42,13 +92,17 @@ class Deadline:
         """Milliseconds since the request arrived."""
         return (time.monotonic() - self.start_monotonic) * 1000.0
 
-    def remaining_s(self, reserve_ms: float = 0.0) -> float:
-        """Seconds left before the deadline minus ``reserve_ms``; may be negative."""
-        return (self.budget_ms - reserve_ms - self.elapsed_ms()) / 1000.0
+    def remaining_s(self, share: Share = Share.ALL) -> float:
+        """Seconds left of ``share`` (default: all the budget but the answer margin); may be negative."""
+        return (self.share_ms(share) - self.elapsed_ms()) / 1000.0
 
-    def wall_clock_at(self, reserve_ms: float = 0.0) -> float:
-        """The ``time.time()`` instant of the deadline minus ``reserve_ms``, for other processes."""
-        return self.start_wall + (self.budget_ms - reserve_ms) / 1000.0
+    def primary_remaining_s(self) -> float:
+        """Seconds left of the primary's share (``remaining_s(Share.PRIMARY)``); may be negative."""
+        return self.remaining_s(Share.PRIMARY)
+
+    def epoch_s(self, share: Share = Share.ALL) -> float:
+        """The ``time.time()`` instant (s) at which ``share`` ends: a deadline other processes can compare."""
+        return self.start_wall + self.share_ms(share) / 1000.0
 
 
 async def run_within(awaitable: Awaitable[T], timeout_s: float) -> T:

@@ -16,7 +16,7 @@ from python_multipart.multipart import MultipartParser, MultipartState, parse_op
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from .arrival import arrival_of
+from .arrival import Arrival, arrival_of
 from .config import Settings
 from .deadline import Deadline, run_within
 from .errors import (
@@ -81,21 +81,24 @@ def parse_top_k(request: Request) -> int:
     return top_k
 
 
-def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.0) -> Deadline:
+def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.0,
+                   arrival: Arrival | None = None) -> Deadline:
     """``X-Deadline-Ms``: a positive number of ms, default ``default_deadline_ms``, capped at ``max_deadline_ms``.
 
     The budget is counted from the request's arrival (``rampart.arrival``: its
     first byte, or an earlier ``X-Request-Start`` from a load balancer), not from
-    the handler's start; ``Deadline.arrival`` keeps it. The ``Deadline``
-    returned also ends ``answer_margin_ms`` + ``loop_lag_ms`` (the event loop's
-    recent lag) earlier, so the answer is sent by the client's deadline.
-    Raises ``InvalidParameter`` for a malformed value.
+    the handler's start; ``Deadline.arrival`` keeps it. Pass ``arrival`` when it is
+    already known (a second look at the same request), so the clock starts once.
+    The ``Deadline`` is sliced by ``Deadline.sliced``: its answer margin is
+    ``answer_margin_ms`` + ``loop_lag_ms`` (the event loop's recent lag), so the
+    answer is sent by the client's deadline. Raises ``InvalidParameter`` (422) for a
+    value that is not a number, not positive and finite, or not above ``answer_margin_ms``.
     """
-    arrival = arrival_of(request.scope, request.headers.get("x-request-start"), settings.max_deadline_ms)
-    margin_ms = settings.answer_margin_ms + loop_lag_ms
+    if arrival is None:
+        arrival = arrival_of(request.scope, request.headers.get("x-request-start"), settings.max_deadline_ms)
     raw = request.headers.get("x-deadline-ms")
     if raw is None:
-        return Deadline(max(settings.default_deadline_ms - margin_ms, 0), arrival.monotonic, arrival.wall, arrival)
+        return Deadline.sliced(settings.default_deadline_ms, arrival, settings, loop_lag_ms)
     try:
         budget = float(raw)
     except ValueError:
@@ -106,7 +109,7 @@ def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.
         raise InvalidParameter(
             f"X-Deadline-Ms={raw[:32]} leaves no time to answer; it must exceed {settings.answer_margin_ms} ms"
         )
-    return Deadline(max(min(budget, settings.max_deadline_ms) - margin_ms, 0), arrival.monotonic, arrival.wall, arrival)
+    return Deadline.sliced(min(budget, settings.max_deadline_ms), arrival, settings, loop_lag_ms)
 
 
 def parse_priority(request: Request) -> bool:
@@ -150,7 +153,7 @@ async def within_deadline(reading: Awaitable[T], deadline: Deadline) -> T:
     try:
         return await run_within(reading, deadline.remaining_s())
     except asyncio.TimeoutError:
-        raise BodyTimeout(f"the body did not arrive within the deadline ({deadline.budget_ms:.0f} ms)") from None
+        raise BodyTimeout(f"the body did not arrive within the deadline ({deadline.share_ms():.0f} ms)") from None
     except ClientDisconnect:
         raise ClientDisconnected("the client closed the connection before sending the whole body") from None
 

@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
-import dataclasses
 import io
 import json
 import logging
@@ -535,10 +534,8 @@ def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -
             view = _Parameters(request, parsed.parameters)
             top_k = http.parse_top_k(view)
             high = http.parse_priority(view)
-            if view.sets_deadline:  # counted from arrival, like the header's
-                given = http.parse_deadline(view, settings, lag_ms)
-                deadline = dataclasses.replace(given, start_monotonic=deadline.start_monotonic,
-                                               start_wall=deadline.start_wall)
+            if view.sets_deadline:  # counted from the same arrival as the header's
+                deadline = http.parse_deadline(view, settings, lag_ms, deadline.arrival)
             if len(parsed.images) > settings.max_batch_images:
                 raise InvalidParameter(f"{len(parsed.images)} images sent; the limit is {settings.max_batch_images}")
             results = await _classify_all(classifier, parsed.images, top_k, deadline, high)

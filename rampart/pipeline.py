@@ -2,8 +2,12 @@
 
 ``Classifier.classify`` is plain asyncio. It talks to the models through
 ``ModelEndpoint.call`` coroutines, so the same code runs against BentoML runner
-proxies in the service and against stand-ins in unit tests. The deadline
-(``X-Deadline-Ms``) covers everything:
+proxies in the service and against stand-ins in unit tests. Each model is a
+``rampart.lane.ModelLane`` (endpoint, admission gate, breaker). A request is
+checked against both lanes before its body is read (``check_capacity``: 429
+when neither has room, no place taken) and takes its place once the body is in
+(``classify`` → ``admit``). The deadline (``X-Deadline-Ms``, a
+``rampart.deadline.Deadline`` that carries its slices) covers everything:
 
 - decoding and resizing run on a ``BoundedPool`` of worker processes
   (``rampart.decode_job.prepare``: bytes in, both models' bucket arrays out): 429
@@ -12,13 +16,16 @@ proxies in the service and against stand-ins in unit tests. The deadline
   is killed and replaced, so the slot is free at once);
 - the primary is skipped while its circuit breaker is open (``primary_circuit_open``)
   or when its admission gate sheds the request (``primary_overloaded``); otherwise
-  it gets the deadline minus ``fallback_reserve_ms``, and an error, a timeout or a
-  runner TTL drop hands the request on (``primary_error`` / ``primary_timeout``);
+  it gets its share (``Share.PRIMARY``: the deadline minus ``fallback_reserve_ms``
+  and the answer margin), and an error, a timeout or a runner TTL drop hands the
+  request on (``primary_error`` / ``primary_timeout``);
 - the fallback gets what is left of the deadline, behind its own gate;
 - if the fallback cannot answer either, an earlier answer for the same bytes is
   used (``cached_result``), else the static default: no labels,
   ``no_model_available`` and ``needs_review`` true. If both gates shed the request
   and nothing is cached, the answer is 429 ``overloaded`` with ``Retry-After``.
+
+Every answer body is built by ``Classifier._body``.
 """
 
 from __future__ import annotations
@@ -28,55 +35,28 @@ import io
 import logging
 import time
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 import numpy as np
 from PIL import Image
 
-from .admission import AdmissionGate, Shed, ThroughputMeter, Ticket
 from . import metrics
-from .breaker import OPEN, STATE_VALUES, CircuitBreaker
+from .admission import AdmissionGate, ThroughputMeter, Ticket
+from .breaker import CircuitBreaker
 from .buckets import Bucket
 from .cache import CachedAnswer, ResultCache
 from .config import Settings
-from .deadline import Deadline, run_within
+from .deadline import Deadline, Share
 from .decode_job import DecodePlan, Prepared, prepare
 from .decoding import DecodeLimits
 from .errors import CorruptImage, DecodeTimeout, Overloaded
+from .lane import Attempt, ModelEndpoint, ModelLane, RunnerAnswer
 from .pool import BoundedPool, JobTimeout, WorkerDied
 from .results import MAX_TOP_K, label_entries, top_classes
 
+#: ``RunnerAnswer`` and ``ModelEndpoint`` live in ``rampart.lane``; they are importable from here too.
 __all__ = ["RunnerAnswer", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "decode_pool"]
 
 logger = logging.getLogger("rampart.pipeline")
-
-
-@dataclass(frozen=True)
-class RunnerAnswer:
-    """What a runner sent back for one image: float32 ``probs`` (C,) or ``expired``."""
-
-    probs: np.ndarray | None
-    inference_ms: float
-    batch_size: int
-
-    @property
-    def expired(self) -> bool:
-        return self.probs is None
-
-
-#: ``call(bucket_name, pixels uint8 H×W×3, deadline as time.time() seconds)``.
-RunnerCall = Callable[[str, np.ndarray, float], Awaitable[RunnerAnswer]]
-
-
-@dataclass(frozen=True)
-class ModelEndpoint:
-    """A model as the pipeline sees it: identity, labels, buckets and a call."""
-
-    name: str
-    version: str
-    labels: list[str]
-    buckets: dict[str, Bucket]
-    call: RunnerCall
 
 
 def decode_limits(settings: Settings, buckets: list[Bucket]) -> DecodeLimits:
@@ -101,178 +81,10 @@ def decode_pool(settings: Settings) -> BoundedPool:
                        processes=settings.decode_mode == "processes", preload=("rampart.decode_job",))
 
 
-@dataclass(frozen=True)
-class Attempt:
-    """One model's try: its ``answer``, or why not (``reason``) and whether it was ``shed`` before reaching the model."""
-
-    answer: RunnerAnswer | None
-    reason: str | None = None
-    shed: bool = False
-
-
-class ModelLane:
-    """One model as the pipeline drives it: endpoint, admission gate, optional circuit breaker.
-
-    For the breaker, a timed-out call is a failure only when the runner has been
-    silent (no response of any kind, see ``_responded``) since the call was
-    dispatched *and* for longer than ``STALL_BATCHES`` full batches at the
-    throughput measured when it last responded (``stall_after_s``): long enough
-    that a busy runner, even one starved of CPU by an overloaded host (whose
-    measured throughput is then low), would have answered something. The
-    throughput is taken as of the last response because the meter itself falls
-    while a hung model completes nothing, which would push the limit away.
-    """
-
-    #: Silence, in full batches at the measured speed, after which a timeout means "hung", not "busy".
-    #: A busy runner answers about once per batch time, and the measured speed already includes CPU
-    #: starvation on a saturated host (issue 9: with the call's own wait as the only limit, 256
-    #: connections opened the breaker). Twice that, so a hung model is still caught within about a
-    #: second (tests/server/test_fallback.py's drill: two rounds of 8 requests).
-    STALL_BATCHES = 2
-
-    def __init__(self, role: str, endpoint: ModelEndpoint, gate: AdmissionGate, breaker: CircuitBreaker | None) -> None:
-        self.role = role
-        self.endpoint = endpoint
-        self.gate = gate
-        self.breaker = breaker
-        self.responses = 0  # runner responses ever (answers, late answers, TTL drops): the model's progress
-        self.last_response = time.monotonic()
-        self._ms_per_image_at_response: float | None = None
-        self.failures = {"error": 0, "stalled": 0}  # what the breaker was told, by kind
-        gate.on_change = self._publish_queue
-
-    def _publish_queue(self, gate: AdmissionGate) -> None:
-        for bucket, count in gate.queued_by_bucket.items():
-            metrics.QUEUE_DEPTH.labels(self.role, bucket).set(count)
-
-    def reserve(self, high: bool, budget_s: float) -> Ticket | Attempt:
-        """A ticket in the gate, or the refusal (``<role>_circuit_open`` / ``_overloaded`` / ``_timeout``)."""
-        if budget_s <= 0:
-            return self._refused("timeout", Attempt(None, f"{self.role}_timeout", shed=True))
-        if self.breaker is not None and not self.breaker.allow():
-            return self._refused("circuit_open", Attempt(None, f"{self.role}_circuit_open", shed=True))
-        try:
-            ticket = self.gate.reserve(high, budget_s)
-        except Shed as shed:
-            self._record(None)
-            logger.debug("%s shed: %s", self.role, shed)
-            return self._refused(shed.reason, Attempt(None, f"{self.role}_overloaded", shed=True))
-        metrics.ADMITTED.labels(self.role).inc()
-        return ticket
-
-    def _refused(self, reason: str, attempt: Attempt) -> Attempt:
-        metrics.REJECTED.labels(self.role, reason).inc()
-        return attempt
-
-    def has_room(self, high: bool, budget_s: float) -> bool:
-        """Whether ``reserve`` would give a ticket now (breaker and gate), without taking one."""
-        if budget_s <= 0 or (self.breaker is not None and self.breaker.state == OPEN):
-            return False
-        return self.gate.has_room(high, budget_s)
-
-    def release(self, ticket: Ticket) -> None:
-        """Give back a ticket that will not be used (the upload was bad, or never got this far)."""
-        if ticket.queued:
-            ticket.cancel()
-            self._record(None)
-
-    async def attempt(self, ticket: Ticket, inputs: tuple[Bucket, np.ndarray], deadline: Deadline,
-                      reserve_ms: float) -> Attempt:
-        """Call the model with ``ticket`` within the deadline minus ``reserve_ms``."""
-        bucket, pixels = inputs
-        budget_s = deadline.remaining_s(reserve_ms)
-        dispatched = False
-        progress_at_dispatch = self.responses
-
-        async def admitted_call() -> RunnerAnswer:
-            nonlocal dispatched, progress_at_dispatch
-            async with ticket.turn(lambda: deadline.remaining_s(reserve_ms), bucket.name):
-                dispatched, progress_at_dispatch = True, self.responses
-                call = asyncio.ensure_future(self.endpoint.call(bucket.name, pixels, deadline.wall_clock_at(reserve_ms)))
-                call.add_done_callback(self._responded)
-                # Shielded: when this request stops waiting, the runner call still finishes
-                # (the runner has the item either way), so its answer counts as progress.
-                return await asyncio.shield(call)
-
-        def timed_out() -> Attempt:
-            # A late call is a failure for the breaker only if the runner sent nothing back
-            # at all while it waited, not even a late answer or a TTL drop for someone else:
-            # a hung model. A busy model keeps answering, just not in time for everyone.
-            stalled = (dispatched and self.responses == progress_at_dispatch
-                       and time.monotonic() - self.last_response > self.stall_after_s())
-            self._record(False if stalled else None, "stalled")
-            return Attempt(None, f"{self.role}_timeout", shed=not dispatched)
-
-        try:
-            answer = await run_within(admitted_call(), budget_s)
-        except Shed as shed:
-            self._record(None)
-            logger.debug("%s shed: %s", self.role, shed)
-            return self._refused(shed.reason, Attempt(None, f"{self.role}_overloaded", shed=True))
-        except asyncio.TimeoutError:
-            return timed_out()
-        except Exception as exc:  # any runner failure degrades; it never becomes a 5xx
-            self._record(False, "error")
-            logger.warning("%s failed: %s: %s", self.endpoint.name, type(exc).__name__, exc)
-            return Attempt(None, f"{self.role}_error")
-        if answer.expired:
-            return timed_out()
-        self._record(True)
-        self.gate.completed()
-        return Attempt(answer)
-
-    def _responded(self, call: asyncio.Future) -> None:
-        """Count a runner response (an answer or a TTL drop, in time or not); errors are not progress."""
-        if not call.cancelled() and call.exception() is None:
-            self.responses += 1
-            self.last_response = time.monotonic()
-            self._ms_per_image_at_response = self.gate.meter.ms_per_image
-
-    def stall_after_s(self) -> float:
-        """Seconds of runner silence after which a timeout counts as a failure: ``STALL_BATCHES`` full
-        batches at the time per image measured at the last response (before any: now; 0 unmeasured)."""
-        ms = self._ms_per_image_at_response or self.gate.meter.ms_per_image or 0.0
-        return self.STALL_BATCHES * self.gate.max_batch_size * ms / 1000.0
-
-    def _record(self, ok: bool | None, kind: str = "") -> None:
-        """Tell the breaker: ``ok`` for a call that reached the model, ``None`` for one that did not;
-        a failure's ``kind`` (``error`` or ``stalled``) is counted and logged when the breaker opens."""
-        if self.breaker is None:
-            return
-        if ok is None:
-            self.breaker.cancel()
-        else:
-            opened = self.breaker.times_opened
-            if not ok:
-                self.failures[kind] = self.failures.get(kind, 0) + 1
-            self.breaker.record(ok)
-            if self.breaker.times_opened > opened:
-                logger.warning("%s circuit breaker opened; failures so far: %s; last runner response %.0f ms ago",
-                               self.role, self.failures, (time.monotonic() - self.last_response) * 1000)
-        metrics.BREAKER_STATE.labels(self.role).set(STATE_VALUES[self.breaker.state])
-
-    def state(self) -> dict:
-        """Gate, throughput and breaker state, for ``GET /stats``."""
-        gate = self.gate
-        return {
-            "model": {"name": self.endpoint.name, "version": self.endpoint.version},
-            "dispatched": gate.dispatched,
-            "dispatch_window": gate.window,
-            "queued": gate.queued,
-            "queue_limit": gate.queue_limit,
-            "throughput_ips": None if gate.meter.ips is None else round(gate.meter.ips, 2),
-            "drain_s": round(gate.drain_s(), 3),
-            "retry_after_cap_s": gate.retry_after_cap_s,
-            "breaker": None if self.breaker is None else self.breaker.state,
-            "breaker_opened": None if self.breaker is None else self.breaker.times_opened,
-            "breaker_failures": None if self.breaker is None else dict(self.failures),
-        }
-
-
 @dataclass
 class Admission:
-    """What a request was granted on arrival: a ``primary`` ticket, or else a ``fallback``
-    ticket plus the primary's refusal ``primary_refused``."""
+    """The place a request took once its body was in (``Classifier.admit``): a ``primary`` ticket,
+    or else a ``fallback`` ticket plus the primary's refusal ``primary_refused``."""
 
     primary: Ticket | None = None
     fallback: Ticket | None = None
@@ -280,7 +92,12 @@ class Admission:
 
 
 class Classifier:
-    """Classifies one upload within its deadline, degrading honestly; see the module doc."""
+    """Classifies one upload within its deadline, degrading honestly; see the module doc.
+
+    The deadline's slices come with each ``Deadline`` (``rampart.http.parse_deadline``
+    cuts them from the settings with ``Deadline.sliced``); the classifier cuts none:
+    the primary's lane spends ``Share.PRIMARY``, the fallback's and decoding ``Share.ALL``.
+    """
 
     def __init__(self, settings: Settings, primary: ModelEndpoint, fallback: ModelEndpoint, pool: BoundedPool) -> None:
         self.settings = settings
@@ -293,11 +110,11 @@ class Classifier:
             window_s=settings.breaker_window_ms / 1000, min_calls=settings.breaker_min_calls,
             failure_rate=settings.breaker_failure_rate, open_s=settings.breaker_open_ms / 1000,
             probes=settings.breaker_probes,
-        ))
+        ), Share.PRIMARY)
         self.fallback = ModelLane("fallback", fallback, AdmissionGate(
             fallback.name, settings.fallback_max_batch_size, settings.fallback_concurrent_batches,
             settings.fallback_queue_delay_ms, ThroughputMeter(settings.fallback_throughput_ips, tau_s),
-        ), None)
+        ), None, Share.ALL)
         self.cache = ResultCache(settings.cache_size)
         self.limits = decode_limits(settings, [*primary.buckets.values(), *fallback.buckets.values()])
         self.plan = DecodePlan(self.limits, {"primary": primary.buckets, "fallback": fallback.buckets},
@@ -323,35 +140,37 @@ class Classifier:
         return 2 * sum(lane.gate.window + lane.gate.queue_limit for lane in (self.primary, self.fallback))
 
     def check_capacity(self, deadline: Deadline, high: bool) -> None:
-        """Raise ``Overloaded`` (429) when neither model could take a request now.
+        """Raise ``Overloaded`` (429) when neither model would take a request now; takes no place.
 
         Called before the body is read, so shedding costs next to nothing and a slow
-        upload holds no place in any queue; the place itself is taken by ``admit``
-        once the body is in. A deadline shorter than the shortest possible answer is
-        refused the same way, with a message that says so.
+        upload holds no place in any queue; ``admit`` takes the place once the body is
+        in (``ModelLane.has_room`` and ``reserve`` decide alike). A deadline shorter
+        than the shortest possible answer is refused the same way, with a message
+        that says so.
         """
-        if self.primary.has_room(high, deadline.remaining_s(self.settings.fallback_reserve_ms)):
-            return
-        if self.fallback.has_room(high, deadline.remaining_s()):
+        if self.primary.has_room(high, deadline) or self.fallback.has_room(high, deadline):
             return
         if deadline.remaining_s() <= 0:
-            raise Overloaded(f"the deadline ({deadline.budget_ms:.0f} ms after margins) leaves no time to answer",
+            raise Overloaded(f"the deadline ({deadline.share_ms():.0f} ms after margins) leaves no time to answer",
                              self.retry_after_s())
-        raise Overloaded("both models are at capacity; retry later", self.retry_after_s())
+        raise self._at_capacity()
 
     def admit(self, deadline: Deadline, high: bool) -> Admission:
-        """Reserve a place for a request arriving now, before its body is read.
+        """Take a place for a request whose body is in: a ticket for the primary, else one for the fallback.
 
-        A ticket for the primary, else one for the fallback; raises ``Overloaded``
-        (429) when neither model can take it, so shedding costs next to nothing.
+        Raises ``Overloaded`` (429) when neither model can take it (``check_capacity``
+        let it in, but the gates filled while its body arrived).
         """
-        primary = self.primary.reserve(high, deadline.remaining_s(self.settings.fallback_reserve_ms))
+        primary = self.primary.reserve(high, deadline)
         if isinstance(primary, Ticket):
             return Admission(primary=primary)
-        fallback = self.fallback.reserve(high, deadline.remaining_s())
+        fallback = self.fallback.reserve(high, deadline)
         if isinstance(fallback, Ticket):
             return Admission(fallback=fallback, primary_refused=primary)
-        raise Overloaded("both models are at capacity; retry later", self.retry_after_s())
+        raise self._at_capacity()
+
+    def _at_capacity(self) -> Overloaded:
+        return Overloaded("both models are at capacity; retry later", self.retry_after_s())
 
     def release(self, admission: Admission) -> None:
         """Give back whatever tickets of ``admission`` were not used."""
@@ -399,10 +218,11 @@ class Classifier:
     async def classify(self, data: bytes, top_k: int, deadline: Deadline, high: bool = False) -> dict:
         """The response body for one image (see README, "API").
 
-        Takes the request's place (``admit``) now that its body is in. Raises ``rampart.errors.ImageError`` for a bad upload (``DecodeTimeout``
-        when decoding runs past ``decode_timeout_ms``) and ``Overloaded`` when
-        decoding capacity is exhausted or both models shed the request and nothing
-        is cached; model failures never raise.
+        Takes the request's place (``admit``) now that its body is in. Raises
+        ``rampart.errors.ImageError`` for a bad upload (``DecodeTimeout`` when decoding
+        runs past ``decode_timeout_ms``) and ``Overloaded`` when no model has room,
+        decoding capacity is exhausted, or both models shed the request and nothing is
+        cached; model failures never raise.
         """
         admission = self.admit(deadline, high)
         try:
@@ -433,54 +253,65 @@ class Classifier:
         try:
             prepared = await self._prepare(data, deadline, high)
         except JobTimeout:
-            return self._static_answer("deadline_exceeded", _ms_since(start), start)
+            return self._body("deadline_exceeded", start, _ms_since(start))
         decode_ms = _ms_since(start)
 
         if admission.primary is not None:
-            first = await self.primary.attempt(admission.primary, prepared.inputs["primary"], deadline,
-                                               self.settings.fallback_reserve_ms)
+            first = await self.primary.attempt(admission.primary, prepared.inputs["primary"], deadline)
             if first.answer is not None:
-                return self._answer(self.primary, first.answer, prepared, top_k, decode_ms, start, None)
-            admission.fallback = self.fallback.reserve(high, deadline.remaining_s())
+                return self._model_answer(self.primary, first.answer, prepared, top_k, decode_ms, start, None)
+            admission.fallback = self.fallback.reserve(high, deadline)
             if isinstance(admission.fallback, Attempt):
                 second, admission.fallback = admission.fallback, None
             else:
-                second = await self._fallback_attempt(prepared, admission.fallback, deadline)
+                second = await self.fallback.attempt(admission.fallback, prepared.inputs["fallback"], deadline)
         else:
             first = admission.primary_refused
-            second = await self._fallback_attempt(prepared, admission.fallback, deadline)
+            second = await self.fallback.attempt(admission.fallback, prepared.inputs["fallback"], deadline)
         metrics.FALLBACK.labels(first.reason).inc()
         if second.answer is not None:
-            return self._answer(self.fallback, second.answer, prepared, top_k, decode_ms, start, first.reason)
+            return self._model_answer(self.fallback, second.answer, prepared, top_k, decode_ms, start, first.reason)
 
         logger.warning("no model answered: %s, then %s", first.reason, second.reason)
         cached = self.cache.get(prepared.key)
         if cached is not None:
-            return self._cached_answer(cached, top_k, decode_ms, start, prepared.warnings)
+            return self._body("cached_result", start, decode_ms, prepared.warnings, cached, top_k)
         if first.shed and second.shed:
-            raise Overloaded("both models are at capacity; retry later", self.retry_after_s())
-        return self._static_answer("no_model_available", decode_ms, start, prepared.warnings)
+            raise self._at_capacity()
+        return self._body("no_model_available", start, decode_ms, prepared.warnings)
 
-    async def _fallback_attempt(self, prepared: Prepared, ticket: Ticket, deadline: Deadline) -> Attempt:
-        return await self.fallback.attempt(ticket, prepared.inputs["fallback"], deadline, 0.0)
-
-    def _answer(self, lane: ModelLane, answer: RunnerAnswer, prepared: Prepared, top_k: int, decode_ms: float,
-                start: float, reason: str | None) -> dict:
-        endpoint = lane.endpoint
-        bucket = prepared.inputs[lane.role][0]
+    def _model_answer(self, lane: ModelLane, answer: RunnerAnswer, prepared: Prepared, top_k: int, decode_ms: float,
+                      start: float, reason: str | None) -> dict:
+        """The body for ``lane``'s ``answer``, whose top classes are kept in the cache first."""
         indices, scores = top_classes(answer.probs, MAX_TOP_K)
-        self.cache.put(prepared.key, CachedAnswer(indices, scores, lane.role, bucket.name))
+        ranked = CachedAnswer(indices, scores, lane.role, prepared.inputs[lane.role][0].name)
+        self.cache.put(prepared.key, ranked)
+        return self._body(reason, start, decode_ms, prepared.warnings, ranked, top_k, answer.inference_ms)
+
+    def _body(self, reason: str | None, start: float, decode_ms: float, warnings: tuple[str, ...] = (),
+              ranked: CachedAnswer | None = None, top_k: int = 0, inference_ms: float | None = None) -> dict:
+        """The response body for one image (README, "API"): the one place an answer is built.
+
+        ``reason`` is the ``degraded_reason`` (None: a full answer). ``ranked`` holds
+        the top classes and the role and bucket of the model that gave them (None:
+        the static answer, no labels, ``needs_review``); ``top_k`` of them are listed.
+        ``inference_ms`` is the model call's inference time (None: no model was
+        called now, so queue and inference are 0). Times in ms: ``start`` is the
+        ``time.perf_counter()`` at which the pipeline began, ``decode_ms`` the decode.
+        """
         total_ms = _ms_since(start)
+        queue_ms = 0.0 if inference_ms is None else max(total_ms - decode_ms - inference_ms, 0.0)
+        endpoint = None if ranked is None else (self.primary if ranked.role == "primary" else self.fallback).endpoint
         return {
-            "labels": label_entries(indices[:top_k], scores[:top_k], endpoint.labels),
-            "model": {"name": endpoint.name, "version": endpoint.version},
+            "labels": [] if ranked is None else label_entries(ranked.indices[:top_k], ranked.scores[:top_k],
+                                                               endpoint.labels),
+            "model": None if endpoint is None else {"name": endpoint.name, "version": endpoint.version},
             "degraded": reason is not None,
             "degraded_reason": reason,
-            "needs_review": False,
-            "bucket": bucket.name,
-            "timings_ms": _timings(decode_ms, max(total_ms - decode_ms - answer.inference_ms, 0.0),
-                                   answer.inference_ms, total_ms),
-            "input_warnings": list(prepared.warnings),
+            "needs_review": ranked is None,
+            "bucket": None if ranked is None else ranked.bucket,
+            "timings_ms": _timings(decode_ms, queue_ms, inference_ms or 0.0, total_ms),
+            "input_warnings": list(warnings),
         }
 
     def state(self) -> dict:
@@ -493,33 +324,6 @@ class Classifier:
             "decode_pending": self.pool.pending,
             "decode_workers": self.pool.stats(),
         }
-
-    def _cached_answer(self, cached: CachedAnswer, top_k: int, decode_ms: float, start: float,
-                       warnings: tuple[str, ...]) -> dict:
-        endpoint = (self.primary if cached.role == "primary" else self.fallback).endpoint
-        return {
-            "labels": label_entries(cached.indices[:top_k], cached.scores[:top_k], endpoint.labels),
-            "model": {"name": endpoint.name, "version": endpoint.version},
-            "degraded": True,
-            "degraded_reason": "cached_result",
-            "needs_review": False,
-            "bucket": cached.bucket,
-            "timings_ms": _timings(decode_ms, 0.0, 0.0, _ms_since(start)),
-            "input_warnings": list(warnings),
-        }
-
-    def _static_answer(self, reason: str, decode_ms: float, start: float, warnings: tuple[str, ...] = ()) -> dict:
-        return {
-            "labels": [],
-            "model": None,
-            "degraded": True,
-            "degraded_reason": reason,
-            "needs_review": True,
-            "bucket": None,
-            "timings_ms": _timings(decode_ms, 0.0, 0.0, _ms_since(start)),
-            "input_warnings": list(warnings),
-        }
-
 
 def _ms_since(start: float) -> float:
     return (time.perf_counter() - start) * 1000.0

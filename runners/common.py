@@ -75,10 +75,11 @@ dispatch_when_free()
 
 
 class RunnerItem(bentoml.IODescriptor):
-    """One image for a runner: uint8 ``pixels`` (H×W×3) and an absolute ``deadline`` (``time.time()`` s)."""
+    """One image for a runner: uint8 ``pixels`` (H×W×3) and ``deadline_epoch_s``, the end of the calling
+    model's share of the request's deadline as ``time.time()`` seconds (``rampart.deadline.Deadline.epoch_s``)."""
 
     pixels: np.ndarray
-    deadline: float
+    deadline_epoch_s: float
     request_id: str = ""
 
 
@@ -206,7 +207,7 @@ class BucketedRunner:
         """Compute one adaptive batch of ``bucket_name`` items; returns one result per item."""
         bucket = self.buckets[bucket_name]
         now = time.time()
-        live = [i for i, item in enumerate(items) if item.deadline > now]
+        live = [i for i, item in enumerate(items) if item.deadline_epoch_s > now]
         results = [RunnerResult(expired=True) for _ in items]
         with self._lock:
             self.ttl_dropped += len(items) - len(live)

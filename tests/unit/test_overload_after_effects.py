@@ -14,8 +14,8 @@ from rampart.admission import AdmissionGate, ThroughputMeter
 from rampart.arrival import ARRIVAL_KEY, FUTURE_SKEW_MS, InflightBound, arrival_of, parse_request_start
 from rampart.breaker import CLOSED, OPEN, CircuitBreaker
 from rampart.buckets import buckets_for_resolution
-from rampart.deadline import Deadline
-from rampart.pipeline import ModelEndpoint, ModelLane, RunnerAnswer
+from rampart.deadline import Deadline, Share
+from rampart.lane import ModelEndpoint, ModelLane, RunnerAnswer
 
 
 def busy_meter(now: list[float], ips: float, seconds: float, tau_s: float = 5.0) -> ThroughputMeter:
@@ -75,7 +75,8 @@ def lane_with(call, min_calls: int = 4) -> ModelLane:
     endpoint = ModelEndpoint("m", "v1", ["a"], buckets_for_resolution(32), call)
     gate = AdmissionGate("m", max_batch_size=1, concurrent_batches=3, queue_delay_ms=10_000,
                          meter=ThroughputMeter(override_ips=1000))
-    return ModelLane("primary", endpoint, gate, CircuitBreaker(window_s=60, min_calls=min_calls, failure_rate=0.5))
+    return ModelLane("primary", endpoint, gate, CircuitBreaker(window_s=60, min_calls=min_calls, failure_rate=0.5),
+                     Share.PRIMARY)
 
 
 async def attempts(lane: ModelLane, count: int, budget_ms: float) -> list[str | None]:
@@ -83,8 +84,9 @@ async def attempts(lane: ModelLane, count: int, budget_ms: float) -> list[str | 
     pixels = np.zeros(bucket.shape, dtype=np.uint8)
 
     async def one() -> str | None:
-        ticket = lane.reserve(False, budget_ms / 1000)
-        attempt = await lane.attempt(ticket, (bucket, pixels), Deadline(budget_ms), 0.0)
+        deadline = Deadline(budget_ms)
+        ticket = lane.reserve(False, deadline)
+        attempt = await lane.attempt(ticket, (bucket, pixels), deadline)
         return attempt.reason
 
     return await asyncio.gather(*(one() for _ in range(count)))

@@ -74,7 +74,7 @@ def test_chain_primary_error_then_fallback_then_cache():
 
 
 def test_slow_primary_times_out_at_deadline_minus_reserve():
-    chain = classifier(Settings(fallback_reserve_ms=300), delay_s=5.0)
-    answer = asyncio.run(chain.classify(encode(photo("coffee")), 3, Deadline(1_000)))
+    chain = classifier(Settings(), delay_s=5.0)
+    answer = asyncio.run(chain.classify(encode(photo("coffee")), 3, Deadline(1_000, fallback_reserve_ms=300)))
     assert answer["degraded_reason"] == "primary_timeout" and answer["model"]["name"] == "fallback"
     assert answer["timings_ms"]["total"] < 1_000

@@ -1,0 +1,258 @@
+"""One model as the pipeline drives it: its endpoint, admission gate and circuit breaker.
+
+``ModelLane`` is the one place where a request takes (or is refused) a place
+with one model and where that model is called:
+
+- ``reserve`` / ``has_room``: the same refusals in the same order (the request's
+  share of its deadline is used up → ``timeout``, the breaker refuses →
+  ``circuit_open``, the gate sheds → ``queue_full``, ``predicted_late``, ``evicted``),
+  the first taking the place, the second only looking;
+- ``attempt``: waits for the turn the ticket gives, calls the model within the
+  lane's share of the deadline (``rampart.deadline.Share``), and tells the
+  breaker what happened.
+
+Every refusal comes back as an ``Attempt`` with a ``degraded_reason``
+(``<role>_timeout``, ``<role>_circuit_open``, ``<role>_overloaded``,
+``<role>_error``); nothing here raises to the caller.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+import numpy as np
+
+from . import metrics
+from .admission import AdmissionGate, Shed, Ticket
+from .breaker import STATE_VALUES, CircuitBreaker
+from .buckets import Bucket
+from .deadline import Deadline, Share, run_within
+
+__all__ = ["RunnerAnswer", "RunnerCall", "ModelEndpoint", "Attempt", "ModelLane"]
+
+logger = logging.getLogger("rampart.pipeline")  # the lanes log as part of the pipeline, as before
+
+
+@dataclass(frozen=True)
+class RunnerAnswer:
+    """What a runner sent back for one image: float32 ``probs`` (C,) or ``expired`` (None: the runner
+    dropped the item because its deadline had passed); ``inference_ms`` (ms) of its batch of ``batch_size``."""
+
+    probs: np.ndarray | None
+    inference_ms: float
+    batch_size: int
+
+    @property
+    def expired(self) -> bool:
+        """True when the runner dropped the item unanswered (its deadline had passed)."""
+        return self.probs is None
+
+
+#: ``call(bucket_name, pixels uint8 H×W×3, deadline_epoch_s)``: ``deadline_epoch_s`` is the end of
+#: the lane's share of the request's deadline as ``time.time()`` seconds (``Deadline.epoch_s``).
+RunnerCall = Callable[[str, np.ndarray, float], Awaitable[RunnerAnswer]]
+
+
+@dataclass(frozen=True)
+class ModelEndpoint:
+    """A model as the pipeline sees it: identity, labels, buckets and a call."""
+
+    name: str
+    version: str
+    labels: list[str]
+    buckets: dict[str, Bucket]
+    call: RunnerCall
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One model's try: its ``answer``, or why not (``reason``) and whether it was ``shed`` before reaching the model."""
+
+    answer: RunnerAnswer | None
+    reason: str | None = None
+    shed: bool = False
+
+
+#: The ``degraded_reason`` suffix of each refusal (``Shed.reason``); gate sheds are ``overloaded``.
+REFUSAL_SUFFIX = {"timeout": "timeout", "circuit_open": "circuit_open"}
+
+
+class ModelLane:
+    """One model as the pipeline drives it: endpoint, admission gate, optional circuit breaker.
+
+    ``share`` is the slice of each request's deadline this model may use
+    (``Share.PRIMARY`` for the primary, which leaves the fallback its reserve).
+
+    For the breaker, a timed-out call is a failure only when the runner has been
+    silent (no response of any kind, see ``_responded``) since the call was
+    dispatched *and* for longer than ``STALL_BATCHES`` full batches at the
+    throughput measured when it last responded (``stall_after_s``): long enough
+    that a busy runner, even one starved of CPU by an overloaded host (whose
+    measured throughput is then low), would have answered something. The
+    throughput is taken as of the last response because the meter itself falls
+    while a hung model completes nothing, which would push the limit away.
+    """
+
+    #: Silence, in full batches at the measured speed, after which a timeout means "hung", not "busy".
+    #: A busy runner answers about once per batch time, and the measured speed already includes CPU
+    #: starvation on a saturated host (issue 9: with the call's own wait as the only limit, 256
+    #: connections opened the breaker). Twice that, so a hung model is still caught within about a
+    #: second (the fault drill of test_fallback.py: two rounds of 8 requests).
+    STALL_BATCHES = 2
+
+    def __init__(self, role: str, endpoint: ModelEndpoint, gate: AdmissionGate, breaker: CircuitBreaker | None,
+                 share: Share) -> None:
+        self.role = role
+        self.endpoint = endpoint
+        self.gate = gate
+        self.breaker = breaker
+        self.share = share
+        self.responses = 0  # runner responses ever (answers, late answers, TTL drops): the model's progress
+        self.last_response = time.monotonic()
+        self._ms_per_image_at_response: float | None = None
+        self.failures = {"error": 0, "stalled": 0}  # what the breaker was told, by kind
+        gate.on_change = self._publish_queue
+
+    def _publish_queue(self, gate: AdmissionGate) -> None:
+        for bucket, count in gate.queued_by_bucket.items():
+            metrics.QUEUE_DEPTH.labels(self.role, bucket).set(count)
+
+    def refusal(self, high: bool, deadline: Deadline) -> Shed | None:
+        """Why this model would refuse a request arriving now, or None when it has room; changes nothing.
+
+        In order: the lane's share of ``deadline`` is used up (``Shed("timeout")``),
+        the breaker refuses calls (``circuit_open``: open, or half-open with every
+        probe out), the gate sheds (``AdmissionGate.refusal``).
+        """
+        budget_s = deadline.remaining_s(self.share)
+        if budget_s <= 0:
+            return Shed("timeout", f"{self.role}: its share of the deadline is used up")
+        if self.breaker is not None and not self.breaker.would_allow():
+            return Shed("circuit_open", f"{self.role}: the circuit breaker is {self.breaker.state}")
+        return self.gate.refusal(high, budget_s)
+
+    def has_room(self, high: bool, deadline: Deadline) -> bool:
+        """Whether ``reserve(high, deadline)`` would give a ticket now, without taking one."""
+        return self.refusal(high, deadline) is None
+
+    def reserve(self, high: bool, deadline: Deadline) -> Ticket | Attempt:
+        """A ticket in the gate (and, when the breaker is half-open, one of its probes), or the refusal
+        as a shed ``Attempt`` (``<role>_timeout`` / ``_circuit_open`` / ``_overloaded``), counted."""
+        shed = self.refusal(high, deadline)
+        if shed is not None:
+            return self._refused(shed)
+        if self.breaker is not None:
+            self.breaker.allow()  # True, as ``refusal`` just saw; takes a probe when half-open
+        metrics.ADMITTED.labels(self.role).inc()
+        return self.gate.reserve(high, deadline.remaining_s(self.share))
+
+    def _refused(self, shed: Shed) -> Attempt:
+        """The shed ``Attempt`` for ``shed``, counted in ``rampart_rejected_total`` and logged at debug level."""
+        metrics.REJECTED.labels(self.role, shed.reason).inc()
+        self._publish_breaker()
+        logger.debug("%s shed: %s", self.role, shed)
+        return Attempt(None, f"{self.role}_{REFUSAL_SUFFIX.get(shed.reason, 'overloaded')}", shed=True)
+
+    def release(self, ticket: Ticket) -> None:
+        """Give back a ticket that will not be used (the upload was bad, or never got this far)."""
+        if ticket.queued:
+            ticket.cancel()
+            self._record(None)
+
+    async def attempt(self, ticket: Ticket, inputs: tuple[Bucket, np.ndarray], deadline: Deadline) -> Attempt:
+        """Call the model with ``ticket`` on ``inputs`` (bucket, uint8 H×W×3 pixels) within the lane's share of
+        ``deadline``; the runner gets the share's end as ``deadline_epoch_s``. Never raises: failures are ``Attempt``s."""
+        bucket, pixels = inputs
+        dispatched = False
+        progress_at_dispatch = self.responses
+
+        async def admitted_call() -> RunnerAnswer:
+            nonlocal dispatched, progress_at_dispatch
+            async with ticket.turn(lambda: deadline.remaining_s(self.share), bucket.name):
+                dispatched, progress_at_dispatch = True, self.responses
+                call = asyncio.ensure_future(self.endpoint.call(bucket.name, pixels, deadline.epoch_s(self.share)))
+                call.add_done_callback(self._responded)
+                # Shielded: when this request stops waiting, the runner call still finishes
+                # (the runner has the item either way), so its answer counts as progress.
+                return await asyncio.shield(call)
+
+        def timed_out() -> Attempt:
+            # A late call is a failure for the breaker only if the runner sent nothing back
+            # at all while it waited, not even a late answer or a TTL drop for someone else:
+            # a hung model. A busy model keeps answering, just not in time for everyone.
+            stalled = (dispatched and self.responses == progress_at_dispatch
+                       and time.monotonic() - self.last_response > self.stall_after_s())
+            self._record(False if stalled else None, "stalled")
+            return Attempt(None, f"{self.role}_timeout", shed=not dispatched)
+
+        try:
+            answer = await run_within(admitted_call(), deadline.remaining_s(self.share))
+        except Shed as shed:  # evicted while queued, or predicted late at its turn
+            self._record(None)
+            return self._refused(shed)
+        except asyncio.TimeoutError:
+            return timed_out()
+        except Exception as exc:  # any runner failure degrades; it never becomes a 5xx
+            self._record(False, "error")
+            logger.warning("%s failed: %s: %s", self.endpoint.name, type(exc).__name__, exc)
+            return Attempt(None, f"{self.role}_error")
+        if answer.expired:
+            return timed_out()
+        self._record(True)
+        self.gate.completed()
+        return Attempt(answer)
+
+    def _responded(self, call: asyncio.Future) -> None:
+        """Count a runner response (an answer or a TTL drop, in time or not); errors are not progress."""
+        if not call.cancelled() and call.exception() is None:
+            self.responses += 1
+            self.last_response = time.monotonic()
+            self._ms_per_image_at_response = self.gate.meter.ms_per_image
+
+    def stall_after_s(self) -> float:
+        """Seconds of runner silence after which a timeout counts as a failure: ``STALL_BATCHES`` full
+        batches at the time per image measured at the last response (before any: now; 0 unmeasured)."""
+        ms = self._ms_per_image_at_response or self.gate.meter.ms_per_image or 0.0
+        return self.STALL_BATCHES * self.gate.max_batch_size * ms / 1000.0
+
+    def _record(self, ok: bool | None, kind: str = "") -> None:
+        """Tell the breaker: ``ok`` for a call that reached the model, ``None`` for one that did not;
+        a failure's ``kind`` (``error`` or ``stalled``) is counted and logged when the breaker opens."""
+        if self.breaker is None:
+            return
+        if ok is None:
+            self.breaker.cancel()
+        else:
+            opened = self.breaker.times_opened
+            if not ok:
+                self.failures[kind] = self.failures.get(kind, 0) + 1
+            self.breaker.record(ok)
+            if self.breaker.times_opened > opened:
+                logger.warning("%s circuit breaker opened; failures so far: %s; last runner response %.0f ms ago",
+                               self.role, self.failures, (time.monotonic() - self.last_response) * 1000)
+        self._publish_breaker()
+
+    def _publish_breaker(self) -> None:
+        if self.breaker is not None:
+            metrics.BREAKER_STATE.labels(self.role).set(STATE_VALUES[self.breaker.state])
+
+    def state(self) -> dict:
+        """Gate, throughput and breaker state, for ``GET /stats``."""
+        gate = self.gate
+        return {
+            "model": {"name": self.endpoint.name, "version": self.endpoint.version},
+            "dispatched": gate.dispatched,
+            "dispatch_window": gate.window,
+            "queued": gate.queued,
+            "queue_limit": gate.queue_limit,
+            "throughput_ips": None if gate.meter.ips is None else round(gate.meter.ips, 2),
+            "drain_s": round(gate.drain_s(), 3),
+            "retry_after_cap_s": gate.retry_after_cap_s,
+            "breaker": None if self.breaker is None else self.breaker.state,
+            "breaker_opened": None if self.breaker is None else self.breaker.times_opened,
+            "breaker_failures": None if self.breaker is None else dict(self.failures),
+        }
