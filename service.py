@@ -9,13 +9,13 @@ bodies and status codes exactly; BentoML's own ``/readyz``, ``/livez`` and
 
 Routes:
 - ``/classify``, ``/classify_batch``, ``/stats`` and ``/v2/...``: the Starlette app of
-  ``rampart.app.create_app``, made at import (``@bentoml.asgi_app`` needs it then) and
-  given its classifier and lifecycle by ``Rampart.__init__`` (``rampart.app.attach``).
-- any other path or method: JSON 404/405 (``rampart.routing.JSONRouteErrors``).
+  ``rampart.api.app.create_app``, made at import (``@bentoml.asgi_app`` needs it then) and
+  given its classifier and lifecycle by ``Rampart.__init__`` (``rampart.api.app.attach``).
+- any other path or method: JSON 404/405 (``rampart.api.routing.JSONRouteErrors``).
 - ``POST /bentoml/classify``: ``/classify`` as a BentoML API, for ``bentoml.SyncHTTPClient``
-  and ``/docs`` (``rampart.bentoml_api``).
+  and ``/docs`` (``rampart.api.bentoml_api``).
 
-Lifecycle (``rampart.lifecycle``): both routes answer 503 ``not_ready`` until both
+Lifecycle (``rampart.api.lifecycle``): both routes answer 503 ``not_ready`` until both
 runners have warmed up, and 503 ``shutting_down`` once SIGTERM has arrived; the
 requests admitted before it are answered before the worker exits.
 """
@@ -31,19 +31,21 @@ import bentoml
 import psutil
 from starlette.requests import Request
 
-from rampart import metrics, oip
-from rampart.app import attach, classify_endpoint, create_app, refuse_before_admission, route_error_answered, state_of
-from rampart.arrival import bound_inflight, stamp_arrivals
-from rampart.bentoml_api import CLASSIFY_API_ROUTE, CLASSIFY_DOC, ClassifyAnswer, ImageUpload, documented
-from rampart.bentoml_fixes import bound_endpoint_labels, cancel_request_timers, keep_runner_sockets_until_stopped
-from rampart.buckets import buckets_for_resolution
+from rampart.telemetry import metrics
+
+from rampart.api import oip
+from rampart.api.app import attach, classify_endpoint, create_app, refuse_before_admission, route_error_answered, state_of
+from rampart.api.arrival import bound_inflight, stamp_arrivals
+from rampart.api.bentoml_api import CLASSIFY_API_ROUTE, CLASSIFY_DOC, ClassifyAnswer, ImageUpload, documented
+from rampart.api.bentoml_fixes import bound_endpoint_labels, cancel_request_timers, keep_runner_sockets_until_stopped
+from rampart.inputs.buckets import buckets_for_resolution
 from rampart.config import get_settings
-from rampart.headlimit import limit_request_heads
-from rampart.lifecycle import ENTRY_SERVICE_NAME, Lifecycle, intercept_exit_signals
-from rampart.lifecycle import logger as lifecycle_log
-from rampart.looplag import LoopLagMonitor
+from rampart.api.headlimit import limit_request_heads
+from rampart.api.lifecycle import ENTRY_SERVICE_NAME, Lifecycle, intercept_exit_signals
+from rampart.api.lifecycle import logger as lifecycle_log
+from rampart.overload.looplag import LoopLagMonitor
 from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
-from rampart.routing import JSONRouteErrors
+from rampart.api.routing import JSONRouteErrors
 from runners.common import RunnerItem
 from runners.fallback import Fallback
 from runners.primary import Primary
@@ -51,7 +53,7 @@ from runners.primary import Primary
 logger = logging.getLogger("rampart.service")
 settings = get_settings()
 cancel_request_timers()  # BentoML 1.4.29 keeps every request alive for traffic.timeout: see the module
-stamp_arrivals()  # deadlines count from each request's first byte: see rampart.arrival
+stamp_arrivals()  # deadlines count from each request's first byte: see rampart.api.arrival
 bound_endpoint_labels()  # BentoML labels its traffic metrics with the raw path: see the module
 limit_request_heads()  # uvicorn's httptools protocol accepts request heads of any size: see the module
 keep_runner_sockets_until_stopped()  # BentoML's arbiter deletes the runners' sockets at SIGTERM, before the drain
@@ -101,7 +103,7 @@ async def runner_stats(runner) -> dict | None:
 http_app = create_app(settings)
 
 
-#: Routes whose requests go through admission (``rampart.arrival.bound_inflight``, tracing off by default).
+#: Routes whose requests go through admission (``rampart.api.arrival.bound_inflight``, tracing off by default).
 ADMITTED_ROUTES = ("/classify", "/classify_batch", f"/v2/models/{oip.MODEL_NAME}/infer", CLASSIFY_API_ROUTE)
 
 
@@ -227,4 +229,4 @@ class Rampart:
                            self.lifecycle.in_flight, settings.max_deadline_ms)
 
 
-Rampart.add_asgi_middleware(JSONRouteErrors, answered=route_error_answered)  # JSON 404/405: see rampart.routing
+Rampart.add_asgi_middleware(JSONRouteErrors, answered=route_error_answered)  # JSON 404/405: see rampart.api.routing

@@ -20,7 +20,7 @@ deterministic variants (see ``variants``): 322 images. ``--quick``: 4 photos × 
 variants = 24 images, for ``make test``.
 
 Every image goes through the service's own preprocessing, so the models see the
-pixels production sees: encoded bytes → ``rampart.decode_job.prepare`` with a
+pixels production sees: encoded bytes → ``rampart.inputs.decode_job.prepare`` with a
 ``DecodePlan`` built as ``rampart.pipeline.Classifier`` builds it (decode limits
 from ``rampart.pipeline.decode_limits``, each model's buckets from its resolution,
 ``crop_margin`` from the settings) → per-bucket uint8 N×H×W×3 batches stacked as
@@ -76,9 +76,9 @@ from inference.architectures import create_architecture
 from inference.engines import OnnxClassifier, TorchClassifier
 from rampart.results import CONFIDENCE_KINDS, confidences
 
-from rampart.buckets import Bucket, buckets_for_resolution
+from rampart.inputs.buckets import Bucket, buckets_for_resolution
 from rampart.config import Settings, get_settings
-from rampart.decode_job import DecodePlan, prepare
+from rampart.inputs.decode_job import DecodePlan, prepare
 from rampart.errors import ImageError
 from rampart.pipeline import decode_limits
 
@@ -429,7 +429,7 @@ def evaluate(images: list[EvalImage], models: dict[str, LoadedModel], settings: 
         "models": {role: model.tag for role, model in models.items()},
         "device": {"primary": str(getattr(models["primary"].engine, "device", "cpu")),
                    "fallback": ",".join(getattr(models["fallback"].engine, "providers", ["?"]))},
-        "preprocessing": "rampart.decode_job.prepare with the service's DecodePlan (decode_limits, buckets, crop_margin "
+        "preprocessing": "rampart.inputs.decode_job.prepare with the service's DecodePlan (decode_limits, buckets, crop_margin "
                          f"{settings.crop_margin})",
         "images": len(kept),
         "refused": refused,

@@ -8,11 +8,11 @@ from scikit-image's ``rocket`` photo) it reports, for each path:
 - ``peak_rss_mb``: peak resident memory of a fresh process doing only that.
 
 The naive path is ``Image.open(...).convert("RGB")`` at full size, then the same
-resize; Rampart's is ``rampart.decoding.decode_image`` (draft for JPEG) then
+resize; Rampart's is ``rampart.inputs.decoding.decode_image`` (draft for JPEG) then
 ``fit_to_bucket``. Each path runs in its own subprocess so peak RSS is its own.
 
-Under ``"workers"`` it compares the decode pool's two modes (``rampart.pool``,
-one worker per CPU core, the service's own ``rampart.decode_job.prepare``), per
+Under ``"workers"`` it compares the decode pool's two modes (``rampart.inputs.pool``,
+one worker per CPU core, the service's own ``rampart.inputs.decode_job.prepare``), per
 scenario, as completed uploads per second (``ips``) and wall time (``wall_s``):
 
 - ``photos``: the four sample photos (scikit-image, scikit-learn) as JPEG;
@@ -54,7 +54,7 @@ def make_image(kind: str, path: Path) -> None:
 def decode_once(path_name: str, data: bytes):
     from PIL import Image
 
-    from rampart.buckets import buckets_for_resolution, fit_to_bucket
+    from rampart.inputs.buckets import buckets_for_resolution, fit_to_bucket
     from rampart.config import Settings
     from rampart.pipeline import decode_limits
 
@@ -63,7 +63,7 @@ def decode_once(path_name: str, data: bytes):
     if path_name == "naive":
         image = Image.open(io.BytesIO(data)).convert("RGB")
         return fit_to_bucket(image, bucket, 1.14)
-    from rampart.decoding import decode_image
+    from rampart.inputs.decoding import decode_image
 
     limits = decode_limits(Settings(), [*buckets.values(), *buckets_for_resolution(224).values()])
     return fit_to_bucket(decode_image(data, limits).image, bucket, 1.14)
@@ -131,11 +131,11 @@ def sample_photos() -> list[bytes]:
 def workers_throughput(mode: str, repeats: int) -> dict:
     """Uploads per second through a ``mode`` ("threads" or "processes") decode pool, per scenario."""
     from bench.bombs import CHUNK_FORMATS, MULTI_FRAME_FORMATS, many_chunks, many_frames, progressive_jpeg
-    from rampart.buckets import buckets_for_resolution
+    from rampart.inputs.buckets import buckets_for_resolution
     from rampart.config import Settings
-    from rampart.decode_job import DecodePlan, prepare
+    from rampart.inputs.decode_job import DecodePlan, prepare
     from rampart.pipeline import decode_limits
-    from rampart.pool import BoundedPool, JobTimeout
+    from rampart.inputs.pool import BoundedPool, JobTimeout
 
     settings = Settings()
     buckets = {"primary": buckets_for_resolution(260), "fallback": buckets_for_resolution(224)}
@@ -146,7 +146,7 @@ def workers_throughput(mode: str, repeats: int) -> dict:
     bombs = [progressive_jpeg(7000, 8000), *(many_frames(fmt, 101) for fmt in MULTI_FRAME_FORMATS),
              *(many_chunks(fmt, 200_000) for fmt in CHUNK_FORMATS)] * max(repeats, 1)
     workers = os.cpu_count() or 1
-    pool = BoundedPool(workers, 10_000, processes=mode == "processes", preload=("rampart.decode_job",))
+    pool = BoundedPool(workers, 10_000, processes=mode == "processes", preload=("rampart.inputs.decode_job",))
 
     async def timed(jobs: list[tuple[bytes, object]], counted: int) -> dict:
         async def one(data: bytes, job_plan) -> None:

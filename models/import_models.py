@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from inference.architectures import create_architecture, load_state_dict_in_order
-from rampart.buckets import buckets_for_resolution, fit_to_bucket
+from rampart.inputs.buckets import buckets_for_resolution, fit_to_bucket
 
 logger = logging.getLogger("rampart.models")
 

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .decode_cost import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_JPEG_SCANS
+from rampart.inputs.decode_cost import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_JPEG_SCANS
 
 ENV_PREFIX = "RAMPART_"
 
@@ -35,7 +35,7 @@ class Settings(BaseModel):
     min_side_px: int = Field(16, ge=1)
     max_aspect_ratio: float = Field(10.0, ge=1.0)
     max_frames: int = Field(100, ge=1)
-    # Decode cost beyond width x height, counted in the container before decoding (rampart.decode_cost):
+    # Decode cost beyond width x height, counted in the container before decoding (rampart.inputs.decode_cost):
     # scans of a progressive JPEG (libjpeg writes 6-10) and chunks a parser steps through.
     max_jpeg_scans: int = Field(DEFAULT_MAX_JPEG_SCANS, ge=1)
     max_chunks: int = Field(DEFAULT_MAX_CHUNKS, ge=1)
@@ -75,7 +75,7 @@ class Settings(BaseModel):
     fallback_max_batch_size: int = Field(32, ge=2)
     fallback_max_latency_ms: int = Field(60_000, gt=0)
 
-    # GPU safety and admission control, per model (see rampart.admission). Concurrent
+    # GPU safety and admission control, per model (see rampart.overload.admission). Concurrent
     # batches per device = runner threads; images dispatched at once =
     # (concurrent_batches + 1) x max_batch_size; the wait queue holds throughput x
     # queue_delay_ms images. Throughput is measured (warm-up, then every batch)
@@ -92,7 +92,7 @@ class Settings(BaseModel):
     # costs about 0.3 ms of event-loop CPU per request even with no exporter (bench/middleware_bench.py).
     trace_requests: bool = False
     # BentoML's access line for every runner call (runners.common.runner_access_log_enabled); off,
-    # the entry service's JSON line (rampart.accesslog) is the only line per request.
+    # the entry service's JSON line (rampart.telemetry.accesslog) is the only line per request.
     runner_access_log: bool = False
     # Niceness of the runner processes. On a CPU-only host inference then yields the CPU
     # to the API layer, which must keep answering (and shedding) under overload, and the
@@ -102,7 +102,7 @@ class Settings(BaseModel):
     # Share of the GPU's memory the primary may allocate (torch.cuda.set_per_process_memory_fraction).
     gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
 
-    # Circuit breaker on the primary (see rampart.breaker).
+    # Circuit breaker on the primary (see rampart.overload.breaker).
     breaker_window_ms: int = Field(10_000, gt=0)
     breaker_min_calls: int = Field(10, ge=1)
     breaker_failure_rate: float = Field(0.5, gt=0.0, le=1.0)

@@ -154,13 +154,13 @@ class ImageTooLarge(ImageError):
 
 
 class TooManyParts(RequestError):
-    """A multipart body has more parts than the route accepts (``rampart.http`` limits)."""
+    """A multipart body has more parts than the route accepts (``rampart.api.http`` limits)."""
 
     code, status = "too_many_parts", 413
 
 
 class PartHeadersTooLarge(RequestError):
-    """A multipart part has too many header lines, or one that is too long (``rampart.http`` limits)."""
+    """A multipart part has too many header lines, or one that is too long (``rampart.api.http`` limits)."""
 
     code, status = "part_headers_too_large", 413
 
@@ -190,7 +190,7 @@ class TooManyFrames(ImageError):
 
 
 class DecodeCostTooHigh(ImageError):
-    """The container declares more decoding work than the limits allow (JPEG scans, chunks): see ``rampart.decode_cost``."""
+    """The container declares more decoding work than the limits allow (JPEG scans, chunks): see ``rampart.inputs.decode_cost``."""
 
     code, status = "decode_cost_too_high", 422
 
@@ -208,7 +208,7 @@ class InvalidParameter(RequestError):
 
 
 class HeadersTooLarge(RequestError):
-    """The request line and headers together are longer than ``rampart.headlimit.MAX_HEAD_BYTES``."""
+    """The request line and headers together are longer than ``rampart.api.headlimit.MAX_HEAD_BYTES``."""
 
     code, status = "headers_too_large", 431
 

@@ -5,7 +5,7 @@ Settings ``fault_primary_delay_ms``, ``fault_primary_error_rate``,
 ``RAMPART_FAULT_*``) make a runner slow, failing or hung, so the tests and the
 users' own drills can prove the fallback chain on a real server.
 ``fault_decode_hang`` makes every decode hang before it starts (in the decode
-worker, ``rampart.decode_job``), which drills the decode timeout: the worker is
+worker, ``rampart.inputs.decode_job``), which drills the decode timeout: the worker is
 killed and replaced.
 
 ``fault_file`` names a JSON object with the same keys (for example

@@ -8,7 +8,7 @@ with one model and where that model is called:
   ``circuit_open``, the gate sheds → ``queue_full``, ``predicted_late``, ``evicted``),
   the first taking the place, the second only looking;
 - ``attempt``: waits for the turn the ticket gives, calls the model within the
-  lane's share of the deadline (``rampart.deadline.Share``), and tells the
+  lane's share of the deadline (``rampart.overload.deadline.Share``), and tells the
   breaker what happened.
 
 Every refusal comes back as an ``Attempt`` with a ``degraded_reason``
@@ -26,11 +26,11 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from . import metrics
-from .admission import AdmissionGate, Shed, Ticket
-from .breaker import STATE_VALUES, CircuitBreaker
-from .buckets import Bucket
-from .deadline import Deadline, Share, run_within
+from rampart.telemetry import metrics
+from rampart.overload.admission import AdmissionGate, Shed, Ticket
+from rampart.overload.breaker import STATE_VALUES, CircuitBreaker
+from rampart.inputs.buckets import Bucket
+from rampart.overload.deadline import Deadline, Share, run_within
 
 __all__ = ["RunnerAnswer", "RunnerCall", "ModelEndpoint", "Attempt", "ModelLane"]
 

@@ -7,10 +7,10 @@ proxies in the service and against stand-ins in unit tests. Each model is a
 checked against both lanes before its body is read (``check_capacity``: 429
 when neither has room, no place taken) and takes its place once the body is in
 (``classify`` → ``admit``). The deadline (``X-Deadline-Ms``, a
-``rampart.deadline.Deadline`` that carries its slices) covers everything:
+``rampart.overload.deadline.Deadline`` that carries its slices) covers everything:
 
 - decoding and resizing run on a ``BoundedPool`` of worker processes
-  (``rampart.decode_job.prepare``: bytes in, both models' bucket arrays out): 429
+  (``rampart.inputs.decode_job.prepare``: bytes in, both models' bucket arrays out): 429
   when it is full or no decoder frees up before the deadline, 422
   ``decode_timeout`` when one decode runs past ``decode_timeout_ms`` (its worker
   is killed and replaced, so the slot is free at once);
@@ -39,19 +39,19 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from . import metrics
-from .admission import AdmissionGate, ThroughputMeter, Ticket
-from .breaker import CircuitBreaker
-from .buckets import Bucket
-from .cache import CachedAnswer, ResultCache
-from .config import Settings
-from .deadline import Deadline, Share
-from .decode_job import DecodePlan, Prepared, prepare
-from .decoding import DecodeLimits
-from .errors import CorruptImage, DecodeTimeout, Overloaded
-from .lane import Attempt, ModelEndpoint, ModelLane, RunnerAnswer
-from .pool import BoundedPool, JobTimeout, WorkerDied
-from .results import MAX_TOP_K, label_entries, top_classes
+from rampart.telemetry import metrics
+from rampart.overload.admission import AdmissionGate, ThroughputMeter, Ticket
+from rampart.overload.breaker import CircuitBreaker
+from rampart.inputs.buckets import Bucket
+from rampart.cache import CachedAnswer, ResultCache
+from rampart.config import Settings
+from rampart.overload.deadline import Deadline, Share
+from rampart.inputs.decode_job import DecodePlan, Prepared, prepare
+from rampart.inputs.decoding import DecodeLimits
+from rampart.errors import CorruptImage, DecodeTimeout, Overloaded
+from rampart.lane import Attempt, ModelEndpoint, ModelLane, RunnerAnswer
+from rampart.inputs.pool import BoundedPool, JobTimeout, WorkerDied
+from rampart.results import MAX_TOP_K, label_entries, top_classes
 
 #: ``RunnerAnswer`` and ``ModelEndpoint`` live in ``rampart.lane``; they are importable from here too.
 __all__ = ["RunnerAnswer", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "decode_pool"]
@@ -78,7 +78,7 @@ def decode_pool(settings: Settings) -> BoundedPool:
     """The decode pool the settings ask for: ``decode_mode`` processes (forkserver preloaded
     with the decode code) or threads, ``decode_workers`` of them at ``decode_nice``."""
     return BoundedPool(settings.decode_workers, settings.decode_queue, nice=settings.decode_nice,
-                       processes=settings.decode_mode == "processes", preload=("rampart.decode_job",))
+                       processes=settings.decode_mode == "processes", preload=("rampart.inputs.decode_job",))
 
 
 @dataclass
@@ -94,7 +94,7 @@ class Admission:
 class Classifier:
     """Classifies one upload within its deadline, degrading honestly; see the module doc.
 
-    The deadline's slices come with each ``Deadline`` (``rampart.http.parse_deadline``
+    The deadline's slices come with each ``Deadline`` (``rampart.api.http.parse_deadline``
     cuts them from the settings with ``Deadline.sliced``); the classifier cuts none:
     the primary's lane spends ``Share.PRIMARY``, the fallback's and decoding ``Share.ALL``.
     """
@@ -130,7 +130,7 @@ class Classifier:
         return min(self.primary.gate.retry_after_s(), self.fallback.gate.retry_after_s())
 
     def inflight_limit(self) -> int:
-        """Most ``/classify`` requests one API worker lets in at once (``rampart.arrival.bound_inflight``).
+        """Most ``/classify`` requests one API worker lets in at once (``rampart.api.arrival.bound_inflight``).
 
         Twice the places both gates have (dispatch window + queue limit of each):
         up to one request per place holds it, and as many again may be reading
@@ -179,7 +179,7 @@ class Classifier:
                 lane.release(ticket)
 
     async def _prepare(self, data: bytes, deadline: Deadline, high: bool) -> Prepared:
-        """Decode ``data`` on the pool into both models' inputs (``rampart.decode_job.prepare``).
+        """Decode ``data`` on the pool into both models' inputs (``rampart.inputs.decode_job.prepare``).
 
         Raises ``DecodeTimeout`` past ``decode_timeout_ms``, ``JobTimeout`` when the
         deadline ran out first, ``Overloaded`` when no decoder is free in time,

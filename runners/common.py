@@ -8,7 +8,7 @@ drop, counted), stacks the rest into a uint8 N×H×W×3 array and calls the engi
 
 Lifecycle: ``__init__`` warms the engine up before the process answers anything
 (``/readyz`` is 503 until then), and on SIGTERM a runner keeps serving until the
-entry service has drained and exited (``rampart.lifecycle``), so no admitted
+entry service has drained and exited (``rampart.api.lifecycle``), so no admitted
 request loses its model.
 """
 
@@ -24,12 +24,12 @@ import numpy as np
 from pydantic import Field
 
 
-from rampart import metrics
-from rampart.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
+from rampart.telemetry import metrics
+from rampart.inputs.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
 from rampart.config import get_settings
 from rampart.faults import FaultInjector
-from rampart.lifecycle import RUNNER_EXIT_MARGIN_S, intercept_exit_signals, wait_for_entry_workers
-from rampart.lifecycle import logger as lifecycle_log
+from rampart.api.lifecycle import RUNNER_EXIT_MARGIN_S, intercept_exit_signals, wait_for_entry_workers
+from rampart.api.lifecycle import logger as lifecycle_log
 
 __all__ = ["RunnerItem", "RunnerResult", "BucketedRunner", "bucket_apis", "runner_service", "lower_cpu_priority",
            "dispatch_when_free"]
@@ -76,7 +76,7 @@ dispatch_when_free()
 
 class RunnerItem(bentoml.IODescriptor):
     """One image for a runner: uint8 ``pixels`` (H×W×3) and ``deadline_epoch_s``, the end of the calling
-    model's share of the request's deadline as ``time.time()`` seconds (``rampart.deadline.Deadline.epoch_s``)."""
+    model's share of the request's deadline as ``time.time()`` seconds (``rampart.overload.deadline.Deadline.epoch_s``)."""
 
     pixels: np.ndarray
     deadline_epoch_s: float
@@ -141,7 +141,7 @@ class BucketedRunner:
         that is normally the largest size; on a CPU often a small one (on the 2-core
         CI machine EfficientNet-Lite2 does 89 images/s at batch 2 and 51 at 16, see
         README "Benchmark"). ``warmup_ms_per_image`` at that size seeds the entry
-        service's throughput estimate (``rampart.admission.ThroughputMeter``).
+        service's throughput estimate (``rampart.overload.admission.ThroughputMeter``).
         """
         started = time.perf_counter()
         sizes = sorted({1 << i for i in range(self.max_batch_size.bit_length())} | {self.max_batch_size})
@@ -275,7 +275,7 @@ def runner_access_log_enabled() -> bool:
     """Whether the runners write BentoML's access line for every call (batch and ``/stats``).
 
     Off by default: the entry service already writes one JSON line per request
-    (``rampart.accesslog``), and the runners' lines doubled the log. On with
+    (``rampart.telemetry.accesslog``), and the runners' lines doubled the log. On with
     ``RAMPART_RUNNER_ACCESS_LOG=true`` or BentoML's debug mode (``bentoml serve --debug``
     or ``BENTOML_DEBUG=true``), read when the runner class is defined.
     """

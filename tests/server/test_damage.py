@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from rampart import recovery
+from rampart.inputs import recovery
 from tests.support import ROOT
 from tests.server.test_observability import scrape, total
 from tests.unit.test_damage import BENIGN, ORIGINALS, TRUNCATED, original

@@ -15,7 +15,7 @@ import uuid
 import httpx
 import pytest
 
-from rampart.lifecycle import RUNNER_EXIT_MARGIN_S
+from rampart.api.lifecycle import RUNNER_EXIT_MARGIN_S
 from deploy.cluster import START_TIMEOUT_S, Replica
 from tests.support import PHOTOS, SLACK_MS, encode, photo
 

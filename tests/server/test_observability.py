@@ -114,7 +114,7 @@ def queried_metrics(exprs: list[str]) -> set[str]:
 
 def missing_metrics(server, queried: set[str]) -> set[str]:
     """The names in ``queried`` that the server's /metrics lacks (GPU-only gauges excused on CPU)."""
-    from rampart import metrics
+    from rampart.telemetry import metrics
 
     # The GPU gauges get values only where CUDA is present; on CPU they are only declared.
     gpu_only = {g.describe()[0].name for g in (metrics.GPU_MEMORY_USED, metrics.GPU_MEMORY_TOTAL)}

@@ -11,7 +11,7 @@ import pytest
 import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
-from rampart import oip
+from rampart.api import oip
 from rampart.errors import ERROR_CLASSES
 from tests.support import PHOTOS, encode, photo
 from tests.unit.test_oip import DEADLINE_MS, OUTPUTS, image_input, texts

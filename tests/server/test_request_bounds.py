@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
-from rampart import http
-from rampart.headlimit import MAX_HEAD_BYTES
-from rampart.routing import OTHER_ENDPOINT
+from rampart.api import http
+from rampart.api.headlimit import MAX_HEAD_BYTES
+from rampart.api.routing import OTHER_ENDPOINT
 from tests.support import PHOTOS, encode, photo
 from tests.server.test_observability import scrape
 from tests.unit.test_request_bounds import BOMB_TO_UPLOAD_RATIO, EMPTY_PARTS_BOMB, LIVEZ_BUDGET_MS, MULTIPART, TINY_IMAGES_BOMB, json_error

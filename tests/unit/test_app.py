@@ -1,4 +1,4 @@
-"""The HTTP layer in-process: ``rampart.app.create_app`` through Starlette's ``TestClient``, no server.
+"""The HTTP layer in-process: ``rampart.api.app.create_app`` through Starlette's ``TestClient``, no server.
 
 The app gets a real ``rampart.pipeline.Classifier`` on a thread decode pool, whose
 two models are stand-ins (``StandIn``): they answer fixed probabilities, or raise,
@@ -19,12 +19,12 @@ import pytest
 from PIL import Image
 from starlette.testclient import TestClient
 
-from rampart.app import attach, create_app, route_error_answered, state_of
-from rampart.buckets import buckets_for_resolution
+from rampart.api.app import attach, create_app, route_error_answered, state_of
+from rampart.inputs.buckets import buckets_for_resolution
 from rampart.config import Settings
-from rampart.lifecycle import Lifecycle
+from rampart.api.lifecycle import Lifecycle
 from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
-from rampart.routing import JSONRouteErrors
+from rampart.api.routing import JSONRouteErrors
 from tests.support import encode, photo
 
 LABELS = [f"class {i}" for i in range(1000)]

@@ -22,10 +22,14 @@ import pytest
 from PIL import Image
 from prometheus_client import REGISTRY
 
-from rampart import errors, metrics, recovery
+from rampart import errors
+
+from rampart.telemetry import metrics
+
+from rampart.inputs import recovery
 from rampart.config import Settings
-from rampart.deadline import Deadline
-from rampart.decoding import decode_image
+from rampart.overload.deadline import Deadline
+from rampart.inputs.decoding import decode_image
 from tests.support import ROOT, encode, photo
 from tests.unit.test_decoding import LIMITS, png_chunk
 from tests.unit.test_pipeline import classifier

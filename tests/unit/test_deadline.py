@@ -1,4 +1,4 @@
-"""``rampart.deadline``: a request's budget, its slices and ``run_within``; no server, no waiting on a clock."""
+"""``rampart.overload.deadline``: a request's budget, its slices and ``run_within``; no server, no waiting on a clock."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from rampart.arrival import Arrival
+from rampart.api.arrival import Arrival
 from rampart.config import Settings
-from rampart.deadline import Deadline, Share, run_within
+from rampart.overload.deadline import Deadline, Share, run_within
 
 
 def deadline_ago(elapsed_ms: float, budget_ms: float, **slices) -> Deadline:

@@ -1,4 +1,4 @@
-"""Decode cost counted before decoding (``rampart.decode_cost``): bombs of every kind refused, real images not."""
+"""Decode cost counted before decoding (``rampart.inputs.decode_cost``): bombs of every kind refused, real images not."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from PIL import Image
 from bench.bombs import CHUNK_FORMATS, MULTI_FRAME_FORMATS, many_chunks, many_frames, progressive_jpeg
 from rampart import errors
 from rampart.config import Settings
-from rampart.decode_cost import check_decode_cost
-from rampart.decoding import DecodeLimits, decode_image, sniff_format
+from rampart.inputs.decode_cost import check_decode_cost
+from rampart.inputs.decoding import DecodeLimits, decode_image, sniff_format
 from tests.support import encode, photo
 from tests.unit.test_decoding import LIMITS
 

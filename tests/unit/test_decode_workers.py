@@ -1,4 +1,4 @@
-"""Decode worker processes (``rampart.pool`` with ``processes=True``): an overrun frees its slot at once."""
+"""Decode worker processes (``rampart.inputs.pool`` with ``processes=True``): an overrun frees its slot at once."""
 
 from __future__ import annotations
 
@@ -11,18 +11,18 @@ import pytest
 
 from rampart import errors
 from rampart.config import Settings
-from rampart.deadline import Deadline
-from rampart.decode_job import prepare
+from rampart.overload.deadline import Deadline
+from rampart.inputs.decode_job import prepare
 from rampart.errors import Overloaded
 from rampart.pipeline import decode_pool
-from rampart.pool import BoundedPool, JobTimeout, WorkerDied
+from rampart.inputs.pool import BoundedPool, JobTimeout, WorkerDied
 from tests.support import encode, photo
 from tests.unit.test_pipeline import classifier
 
 
 @pytest.fixture(scope="module")
 def pool():
-    pool = BoundedPool(workers=2, queue=4, processes=True, preload=("rampart.decode_job",))
+    pool = BoundedPool(workers=2, queue=4, processes=True, preload=("rampart.inputs.decode_job",))
     yield pool
     pool.close()
 

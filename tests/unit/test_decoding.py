@@ -1,4 +1,4 @@
-"""``rampart.decoding`` on inputs each test builds itself: real photos and hostile bytes."""
+"""``rampart.inputs.decoding`` on inputs each test builds itself: real photos and hostile bytes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from rampart import errors
-from rampart.decoding import DecodeLimits, decode_image, sniff_format
+from rampart.inputs.decoding import DecodeLimits, decode_image, sniff_format
 from tests.support import encode, photo
 
 LIMITS = DecodeLimits(

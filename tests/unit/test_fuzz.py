@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings, strategies as st
 from PIL import Image
 
-from rampart.decoding import decode_image
+from rampart.inputs.decoding import decode_image
 from rampart.errors import ImageError
 from tests.support import encode, photo
 from tests.unit.test_decoding import LIMITS

@@ -1,4 +1,4 @@
-"""``rampart.http``'s parsers on minimal Starlette requests (an ASGI scope and a ``receive`` callable): the
+"""``rampart.api.http``'s parsers on minimal Starlette requests (an ASGI scope and a ``receive`` callable): the
 deadline, ``top_k`` and priority headers, and the streaming multipart parser at and just past each limit."""
 
 from __future__ import annotations
@@ -9,10 +9,12 @@ import time
 import pytest
 from starlette.requests import Request
 
-from rampart import errors, http
-from rampart.arrival import ARRIVAL_KEY
+from rampart import errors
+
+from rampart.api import http
+from rampart.api.arrival import ARRIVAL_KEY
 from rampart.config import Settings
-from rampart.deadline import Deadline, Share
+from rampart.overload.deadline import Deadline, Share
 
 SETTINGS = Settings(default_deadline_ms=1000, max_deadline_ms=60_000, answer_margin_ms=20, fallback_reserve_ms=250)
 

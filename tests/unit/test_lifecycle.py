@@ -10,7 +10,7 @@ import pytest
 
 def test_lifecycle_admits_only_between_ready_and_drain_and_counts_in_flight():
     from rampart.errors import NotReady, ShuttingDown
-    from rampart.lifecycle import Lifecycle
+    from rampart.api.lifecycle import Lifecycle
 
     async def main():
         lifecycle = Lifecycle()
@@ -35,7 +35,7 @@ def test_lifecycle_admits_only_between_ready_and_drain_and_counts_in_flight():
 
 
 def test_exit_signals_are_left_alone_outside_a_uvicorn_worker():
-    from rampart.lifecycle import intercept_exit_signals
+    from rampart.api.lifecycle import intercept_exit_signals
 
     async def drain(signum):
         raise AssertionError("never called")

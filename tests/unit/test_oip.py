@@ -1,6 +1,6 @@
 """The Open Inference Protocol (KServe v2 / Triton HTTP) and BentoML's own client.
 
-Unit tests of ``rampart.oip``'s parsing and encoding, with request and response bodies
+Unit tests of ``rampart.api.oip``'s parsing and encoding, with request and response bodies
 made and read by ``tritonclient`` itself. The end-to-end tests (``tritonclient.http``
 and ``bentoml.SyncHTTPClient`` against a real server) are in ``tests/server/test_oip.py``.
 """
@@ -16,7 +16,7 @@ import pytest
 import tritonclient.http as triton
 from PIL import Image
 
-from rampart import oip
+from rampart.api import oip
 from rampart.errors import EmptyBody, InvalidParameter, PayloadTooLarge
 from tests.support import encode, photo
 

@@ -10,11 +10,11 @@ import time
 import numpy as np
 import pytest
 
-from rampart.admission import AdmissionGate, ThroughputMeter
-from rampart.arrival import ARRIVAL_KEY, FUTURE_SKEW_MS, InflightBound, arrival_of, parse_request_start
-from rampart.breaker import CLOSED, OPEN, CircuitBreaker
-from rampart.buckets import buckets_for_resolution
-from rampart.deadline import Deadline, Share
+from rampart.overload.admission import AdmissionGate, ThroughputMeter
+from rampart.api.arrival import ARRIVAL_KEY, FUTURE_SKEW_MS, InflightBound, arrival_of, parse_request_start
+from rampart.overload.breaker import CLOSED, OPEN, CircuitBreaker
+from rampart.inputs.buckets import buckets_for_resolution
+from rampart.overload.deadline import Deadline, Share
 from rampart.lane import ModelEndpoint, ModelLane, RunnerAnswer
 
 
@@ -226,7 +226,7 @@ def test_inflight_bound_leaves_room_for_high_priority_requests():
 def test_bentoml_timeout_middleware_still_answers_504_when_nothing_was_sent_in_time():
     from bentoml._internal.server.http.traffic import TimeoutMiddleware
 
-    from rampart.bentoml_fixes import cancel_request_timers
+    from rampart.api.bentoml_fixes import cancel_request_timers
 
     cancel_request_timers()
 

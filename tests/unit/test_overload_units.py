@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from rampart.admission import AdmissionGate, Shed, ThroughputMeter
-from rampart.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
+from rampart.overload.admission import AdmissionGate, Shed, ThroughputMeter
+from rampart.overload.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from rampart.cache import CachedAnswer, ResultCache, content_key
 from rampart.errors import Overloaded
 from rampart.faults import FaultInjector, FaultSpec, InjectedFault
-from rampart.pool import BoundedPool, JobTimeout
+from rampart.inputs.pool import BoundedPool, JobTimeout
 from inference.engines import TorchClassifier
 
 
@@ -245,7 +245,7 @@ def test_oom_splits_the_batch_once_then_gives_up():
 def test_bentoml_timeout_middleware_no_longer_keeps_finished_requests_alive():
     from bentoml._internal.server.http.traffic import TimeoutMiddleware
 
-    from rampart.bentoml_fixes import cancel_request_timers
+    from rampart.api.bentoml_fixes import cancel_request_timers
 
     cancel_request_timers()
 

@@ -10,11 +10,11 @@ import pytest
 from PIL import Image
 
 from rampart import errors
-from rampart.buckets import buckets_for_resolution
+from rampart.inputs.buckets import buckets_for_resolution
 from rampart.config import Settings
-from rampart.deadline import Deadline
+from rampart.overload.deadline import Deadline
 from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer
-from rampart.pool import BoundedPool
+from rampart.inputs.pool import BoundedPool
 from tests.support import encode, photo
 
 LABELS = [f"class {i}" for i in range(1000)]

@@ -1,7 +1,7 @@
 """Bounded request parsing, JSON 404/405, bounded metric labels and the request-head limit.
 
-Unit tests drive ``rampart.http.read_multipart`` with real Starlette requests whose
-body arrives in chunks, and ``rampart.routing`` on a Starlette app shaped like
+Unit tests drive ``rampart.api.http.read_multipart`` with real Starlette requests whose
+body arrives in chunks, and ``rampart.api.routing`` on a Starlette app shaped like
 BentoML's (its routes first, Rampart's app on a ``PassiveMount``, a static-file
 mount). The end-to-end tests are in ``tests/server/test_request_bounds.py``; there
 nothing asserts a wall-clock time except the liveness budget (``LIVEZ_BUDGET_MS``, the
@@ -25,10 +25,11 @@ from starlette.staticfiles import StaticFiles
 from starlette.testclient import TestClient
 
 from _bentoml_impl.server.mount import PassiveMount
-from rampart import errors, http
-from rampart.deadline import Deadline
-from rampart.headlimit import HeadLimitedProtocol
-from rampart.routing import JSONRouteErrors, route_template
+from rampart import errors
+from rampart.api import http
+from rampart.overload.deadline import Deadline
+from rampart.api.headlimit import HeadLimitedProtocol
+from rampart.api.routing import JSONRouteErrors, route_template
 
 #: /livez must answer within this while part bombs are parsed (issue 10's contract).
 LIVEZ_BUDGET_MS = 100

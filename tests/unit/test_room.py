@@ -7,10 +7,10 @@ import time
 
 from hypothesis import given, settings, strategies as st
 
-from rampart.admission import AdmissionGate, Shed, ThroughputMeter, Ticket
-from rampart.breaker import HALF_OPEN, OPEN, CircuitBreaker
-from rampart.buckets import buckets_for_resolution
-from rampart.deadline import Deadline, Share
+from rampart.overload.admission import AdmissionGate, Shed, ThroughputMeter, Ticket
+from rampart.overload.breaker import HALF_OPEN, OPEN, CircuitBreaker
+from rampart.inputs.buckets import buckets_for_resolution
+from rampart.overload.deadline import Deadline, Share
 from rampart.lane import Attempt, ModelEndpoint, ModelLane
 
 

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 from rampart import errors
-from rampart.buckets import buckets_for_resolution, choose_bucket, fit_to_bucket
+from rampart.inputs.buckets import buckets_for_resolution, choose_bucket, fit_to_bucket
 from rampart.config import Settings
 from rampart.results import softmax, top_labels
 from tests.support import ROOT

@@ -3,7 +3,7 @@
 ``bentoml serve`` runs every process under one circus arbiter. On SIGTERM the
 arbiter sends SIGTERM to all of them at once (``circus.arbiter._stop_watchers``),
 and each is a uvicorn server that closes its listening socket at once (BentoML
-also deleted the runners' socket files at once; ``rampart.bentoml_fixes``
+also deleted the runners' socket files at once; ``rampart.api.bentoml_fixes``
 ``keep_runner_sockets_until_stopped`` defers that). Left as is, the runners
 vanish while the entry service still has requests in flight, and those requests
 find no model. Rampart therefore takes over the exit signal in every process
@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 
-from .errors import NotReady, ShuttingDown
+from rampart.errors import NotReady, ShuttingDown
 
 __all__ = [
     "logger",
@@ -51,7 +51,7 @@ __all__ = [
 
 #: Start-up and drain events. BentoML's server logging passes only WARNING and up from loggers
 #: other than its own, so this one is set to INFO: these few lines are what an operator needs.
-logger = logging.getLogger("rampart.lifecycle")
+logger = logging.getLogger("rampart.api.lifecycle")
 logger.setLevel(logging.INFO)
 
 #: The entry service's BentoML name; runners look for its worker processes by it.

@@ -42,11 +42,11 @@ import types
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
-from .errors import Overloaded
+from rampart.errors import Overloaded
 
 __all__ = ["BoundedPool", "JobTimeout", "WorkerDied"]
 
-logger = logging.getLogger("rampart.pool")
+logger = logging.getLogger("rampart.inputs.pool")
 
 T = TypeVar("T")
 
@@ -71,7 +71,7 @@ class _Abandoned(Exception):
 def _serve(conn, nice: int) -> None:
     """A worker process: run ``(fn, args)`` from ``conn`` and send back ``("ok", result)`` or ``("error", exc)``."""
     # Ctrl-C and SIGTERM on `bentoml serve` are the parent's to handle: during its graceful drain
-    # (rampart.lifecycle) circus signals the API worker's children too, and decoding must go on.
+    # (rampart.api.lifecycle) circus signals the API worker's children too, and decoding must go on.
     # The worker still ends with its parent: the pipe closes and ``recv`` raises EOFError.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

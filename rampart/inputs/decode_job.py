@@ -1,7 +1,7 @@
 """What one decode worker does for one upload: encoded bytes in, bucket-sized uint8 arrays out.
 
 ``prepare(data, plan)`` runs in a decode worker (a process by default, see
-``rampart.pool``), so everything it takes and returns is small and picklable:
+``rampart.inputs.pool``), so everything it takes and returns is small and picklable:
 the upload's bytes and a ``DecodePlan`` go in; a ``Prepared`` with the content
 key and one array per model comes back (260×346×3 + 224×298×3 uint8, about
 0.5 MB, at most). No decoded image ever leaves the worker: the inputs of both
@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
-from .buckets import Bucket, choose_bucket, fit_to_bucket
-from .cache import content_key
-from .decoding import DecodeLimits, decode_image
-from .faults import FaultInjector, FaultSpec
+from rampart.inputs.buckets import Bucket, choose_bucket, fit_to_bucket
+from rampart.cache import content_key
+from rampart.inputs.decoding import DecodeLimits, decode_image
+from rampart.faults import FaultInjector, FaultSpec
 
 __all__ = ["DecodePlan", "Prepared", "prepare", "working_copy"]
 
@@ -56,7 +56,7 @@ class Prepared:
 def prepare(data: bytes, plan: DecodePlan) -> Prepared:
     """Decode ``data`` within ``plan.limits`` and fit it to each role's nearest bucket.
 
-    Raises what ``rampart.decoding.decode_image`` raises (``ImageError`` subclasses
+    Raises what ``rampart.inputs.decoding.decode_image`` raises (``ImageError`` subclasses
     only). Under the decode-hang fault it first blocks until the fault ends.
     """
     FaultInjector("decode", FaultSpec(hang=plan.fault_hang), plan.fault_file).hold_while_hung()

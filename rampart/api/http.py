@@ -16,10 +16,10 @@ from python_multipart.multipart import MultipartParser, MultipartState, parse_op
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from .arrival import Arrival, arrival_of
-from .config import Settings
-from .deadline import Deadline, run_within
-from .errors import (
+from rampart.api.arrival import Arrival, arrival_of
+from rampart.config import Settings
+from rampart.overload.deadline import Deadline, run_within
+from rampart.errors import (
     BodyTimeout,
     ClientDisconnected,
     EmptyBody,
@@ -32,7 +32,7 @@ from .errors import (
     TooManyParts,
     Unavailable,
 )
-from .results import MAX_TOP_K
+from rampart.results import MAX_TOP_K
 
 __all__ = [
     "request_id_of",
@@ -85,7 +85,7 @@ def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.
                    arrival: Arrival | None = None) -> Deadline:
     """``X-Deadline-Ms``: a positive number of ms, default ``default_deadline_ms``, capped at ``max_deadline_ms``.
 
-    The budget is counted from the request's arrival (``rampart.arrival``: its
+    The budget is counted from the request's arrival (``rampart.api.arrival``: its
     first byte, or an earlier ``X-Request-Start`` from a load balancer), not from
     the handler's start; ``Deadline.arrival`` keeps it. Pass ``arrival`` when it is
     already known (a second look at the same request), so the clock starts once.

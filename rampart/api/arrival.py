@@ -154,7 +154,7 @@ class InflightBound:
                 if scope.get("type") != "http" or scope.get("path") not in self.paths:
                     return await app(scope, receive, send)
                 # X-Priority: high gets twice the bound: its place comes from evicting a normal
-                # request at admission (rampart.admission), which needs it to get that far.
+                # request at admission (rampart.overload.admission), which needs it to get that far.
                 limit = self.limit() * (2 if _is_high_priority(scope) else 1)
                 if self.inflight >= limit:
                     self.refused += 1

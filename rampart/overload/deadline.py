@@ -2,7 +2,7 @@
 
 A ``Deadline`` is fixed when the request arrives (``X-Deadline-Ms``) and covers
 everything from its arrival (first byte, or a load balancer's ``X-Request-Start``:
-see ``rampart.arrival``) to the answer: waiting before the handler, body upload,
+see ``rampart.api.arrival``) to the answer: waiting before the handler, body upload,
 decode, queueing and inference. It carries its slices, all in milliseconds from
 the arrival::
 
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Awaitable, TypeVar
 
 if TYPE_CHECKING:
-    from .arrival import Arrival
-    from .config import Settings
+    from rampart.api.arrival import Arrival
+    from rampart.config import Settings
 
 T = TypeVar("T")
 

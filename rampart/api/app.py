@@ -5,7 +5,7 @@ Routes:
 - ``POST /classify``: a raw image body or multipart field ``image``.
 - ``POST /classify_batch``: multipart, field ``images`` repeated.
 - ``GET /stats``: admission queues, throughput, breaker state, runner counters.
-- ``/v2/...``: the Open Inference Protocol (KServe v2 / Triton HTTP), ``rampart.oip``.
+- ``/v2/...``: the Open Inference Protocol (KServe v2 / Triton HTTP), ``rampart.api.oip``.
 
 Routes read their state (classifier, lifecycle, loop lag, runner counters) from
 the ``AppState`` the app carries (``state_of(app)``), never from globals. Under
@@ -16,8 +16,8 @@ test passes them to ``create_app`` directly. Until a lifecycle is attached and
 marked ready, every classify route answers 503 ``not_ready``.
 
 Every answer is counted (``rampart_responses_total``) and logged (one JSON line,
-``rampart.accesslog``) by ``finished``. 404/405 for paths no route serves come from
-``rampart.routing.JSONRouteErrors`` around the whole server; ``route_error_answered``
+``rampart.telemetry.accesslog``) by ``finished``. 404/405 for paths no route serves come from
+``rampart.api.routing.JSONRouteErrors`` around the whole server; ``route_error_answered``
 accounts for them.
 """
 
@@ -35,13 +35,17 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from . import http, metrics, oip
-from .accesslog import log_request, server_timing
-from .config import Settings
-from .deadline import Deadline
-from .errors import InternalError, InvalidParameter, Overloaded, RampartError, Unavailable
-from .lifecycle import Lifecycle
-from .pipeline import Classifier
+from rampart.api import http
+
+from rampart.telemetry import metrics
+
+from rampart.api import oip
+from rampart.telemetry.accesslog import log_request, server_timing
+from rampart.config import Settings
+from rampart.overload.deadline import Deadline
+from rampart.errors import InternalError, InvalidParameter, Overloaded, RampartError, Unavailable
+from rampart.api.lifecycle import Lifecycle
+from rampart.pipeline import Classifier
 
 __all__ = [
     "AppState",
@@ -164,7 +168,7 @@ def _bind(handler: Handler, state: AppState) -> Callable[[Request], Awaitable[Re
 
 def _admitted(handler: Handler) -> Handler:
     """``handler``, refused with 503 before warm-up and during the drain, and counted in flight otherwise
-    (``rampart.lifecycle.Lifecycle.admit``): a drain waits for every request it let in."""
+    (``rampart.api.lifecycle.Lifecycle.admit``): a drain waits for every request it let in."""
 
     async def route(request: Request, state: AppState) -> Response:
         try:
@@ -186,7 +190,7 @@ async def read_images(call: Call, state: AppState, field: str, max_files: int,
     refuses a non-multipart body unless ``raw_body`` (``InvalidParameter``), sheds with
     ``Overloaded`` (429) before the body is read (``Classifier.check_capacity``), then reads
     ``(filename, bytes)`` of 1..``max_files`` parts named ``field``, or the raw body as one
-    image named ``""`` (errors: ``rampart.http.read_multipart`` / ``read_body``).
+    image named ``""`` (errors: ``rampart.api.http.read_multipart`` / ``read_body``).
     """
     request, settings = call.request, state.settings
     call.top_k = http.parse_top_k(request)
@@ -278,7 +282,7 @@ def failed(request: Request, request_id: str, high: bool, started: float, exc: E
 
 
 def route_error_answered(request: Request, request_id: str, started: float, error: RampartError) -> None:
-    """Account and log a 404/405 answered by ``rampart.routing.JSONRouteErrors``."""
+    """Account and log a 404/405 answered by ``rampart.api.routing.JSONRouteErrors``."""
     finished(request, request_id, False, started, error.status, error.code)
 
 
@@ -292,7 +296,7 @@ def finished(request: Request, request_id: str, high: bool, started: float, stat
 
 
 def refuse_before_admission(app: Starlette) -> ASGIApp:
-    """The ASGI app answering 429 ``overloaded`` to a request over the in-flight bound (``rampart.arrival``),
+    """The ASGI app answering 429 ``overloaded`` to a request over the in-flight bound (``rampart.api.arrival``),
     before any middleware, with ``app``'s classifier's ``Retry-After``."""
     state = state_of(app)
 

@@ -20,7 +20,7 @@ control").
 random paths added 6,000 lines to ``/metrics``, and any scanner could grow the
 series without bound. ``bound_endpoint_labels()`` makes them label the route's
 path template instead, and ``other`` for every path no route serves
-(``rampart.routing.endpoint_label``).
+(``rampart.api.routing.endpoint_label``).
 
 Both are idempotent and applied when ``service.py`` is imported (by the entry
 service and by each runner process).
@@ -97,7 +97,7 @@ def bound_endpoint_labels() -> None:
     """
     from bentoml._internal.server.http import instruments
 
-    from .routing import endpoint_label
+    from rampart.api.routing import endpoint_label
 
     for middleware in (instruments.RunnerTrafficMetricsMiddleware, instruments.HTTPTrafficMetricsMiddleware):
         if getattr(middleware.__call__, "_rampart_fixed", False):
@@ -122,7 +122,7 @@ def keep_runner_sockets_until_stopped() -> None:
     socket files are deleted at once, before any process has stopped. Connections
     already open keep working, but every new connection from the entry service to a
     runner fails with ``ConnectError: No such file or directory``, so requests still
-    in flight find no model (the graceful drain, ``rampart.lifecycle``, needs them).
+    in flight find no model (the graceful drain, ``rampart.api.lifecycle``, needs them).
     The patch runs that exit stack after the watchers have stopped, where circus
     closes its sockets (``stop_controller_and_close_sockets``). It takes effect in
     the ``bentoml serve`` process, which imports ``service.py`` before it builds the

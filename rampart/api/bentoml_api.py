@@ -37,7 +37,7 @@ class ImageUpload(IODescriptor):
     """The image to classify, as the multipart field `image`."""
 
     # ``from_http_request`` does not read the body: it hands the Starlette request itself
-    # to the handler as ``image``, and /classify's handler reads it (``rampart.http.read_body``).
+    # to the handler as ``image``, and /classify's handler reads it (``rampart.api.http.read_body``).
     # A multipart field rather than a raw body because BentoML 1.4.29's AsyncHTTPClient
     # cannot send a raw file body (it gives httpx.AsyncClient a sync iterator).
     image: Path = Field(description="the image file: JPEG, PNG, GIF, WEBP, BMP or TIFF")

@@ -7,7 +7,7 @@ metadata; a file whose pixel data is materially missing is refused.** Pillow, st
 (trailing bytes, a missing PNG ``IEND`` or GIF trailer, missing BMP row padding, a
 dangling TIFF next-IFD offset). ``repair`` handles what it refuses although every
 pixel is there. It works on the container alone, with no decoder, and returns
-rebuilt bytes that ``rampart.decoding`` decodes again, as strictly as the first time:
+rebuilt bytes that ``rampart.inputs.decoding`` decodes again, as strictly as the first time:
 
 =========================== =====================================================
 warning                     damage and repair
@@ -60,7 +60,7 @@ import struct
 import zlib
 from dataclasses import dataclass, field
 
-from .errors import CorruptImage
+from rampart.errors import CorruptImage
 
 __all__ = ["Repair", "INPUT_WARNINGS", "repair"]
 
@@ -72,7 +72,7 @@ INPUT_WARNINGS: tuple[str, ...] = (
     "webp_bad_riff_size",
     "webp_missing_padding",
     "webp_truncated_metadata",
-    "later_frames_unreadable",  # reported by rampart.decoding's frame walk, not by ``repair``
+    "later_frames_unreadable",  # reported by rampart.inputs.decoding's frame walk, not by ``repair``
 )
 
 
@@ -93,7 +93,7 @@ class Repair:
 def repair(data: bytes, fmt: str) -> Repair | None:
     """A repair of benign damage in ``data`` (a ``fmt`` file Pillow refused), or None when there is none.
 
-    ``fmt`` is a Pillow format name (``rampart.decoding.SUPPORTED_FORMATS``). Raises
+    ``fmt`` is a Pillow format name (``rampart.inputs.decoding.SUPPORTED_FORMATS``). Raises
     ``CorruptImage`` when the container itself shows pixel data cut off (a clearer
     message than the decoder's). Never raises anything else, whatever ``data`` is.
     """

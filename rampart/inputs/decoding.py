@@ -17,7 +17,7 @@ time and memory:
    function and nowhere later (``LOAD_TRUNCATED_IMAGES`` stays off);
 5. EXIF orientation is applied (a malformed EXIF block is logged and ignored),
    and every mode becomes RGB: see ``to_rgb``;
-6. an upload Pillow refuses gets one second chance: ``rampart.recovery.repair``
+6. an upload Pillow refuses gets one second chance: ``rampart.inputs.recovery.repair``
    rebuilds benign container damage (a missing JPEG EOI, a bad CRC on a PNG
    ancillary chunk, a wrong WebP RIFF size...) and the rebuilt bytes go through
    steps 2-5 again, as strictly. The decoding policy and what counts as pixel data
@@ -34,8 +34,8 @@ from dataclasses import dataclass, replace
 import numpy as np
 from PIL import Image, ImageCms, ImageOps
 
-from .decode_cost import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_JPEG_SCANS, check_decode_cost
-from .errors import (
+from rampart.inputs.decode_cost import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_JPEG_SCANS, check_decode_cost
+from rampart.errors import (
     AspectRatioOutOfRange,
     CorruptImage,
     EmptyBody,
@@ -47,11 +47,11 @@ from .errors import (
     UndecodableImage,
     UnsupportedFormat,
 )
-from .recovery import repair
+from rampart.inputs.recovery import repair
 
 __all__ = ["DecodeLimits", "DecodedImage", "SUPPORTED_FORMATS", "sniff_format", "decode_image", "to_rgb"]
 
-logger = logging.getLogger("rampart.decoding")
+logger = logging.getLogger("rampart.inputs.decoding")
 
 # Rampart's own pixel cap decides for every format; Pillow's warning zone
 # (MAX_IMAGE_PIXELS .. 2×) would otherwise only warn.
@@ -92,7 +92,7 @@ class DecodeLimits:
     max_frames: int
     min_decoded_side: int
     alpha_background: tuple[int, int, int] = (255, 255, 255)
-    max_jpeg_scans: int = DEFAULT_MAX_JPEG_SCANS  # decode-cost limits: see rampart.decode_cost
+    max_jpeg_scans: int = DEFAULT_MAX_JPEG_SCANS  # decode-cost limits: see rampart.inputs.decode_cost
     max_chunks: int = DEFAULT_MAX_CHUNKS
 
 
@@ -102,7 +102,7 @@ class DecodedImage:
 
     ``declared_size`` is (width, height) from the file header, before draft
     scaling and orientation; ``image.size`` is what was actually decoded.
-    ``warnings`` names the benign damage repaired to decode it (``rampart.recovery``,
+    ``warnings`` names the benign damage repaired to decode it (``rampart.inputs.recovery``,
     e.g. ``("jpeg_missing_eoi",)``); empty for an undamaged file.
     """
 

@@ -31,7 +31,7 @@ import re
 import struct
 from dataclasses import dataclass
 
-from .errors import DecodeCostTooHigh, TooManyFrames
+from rampart.errors import DecodeCostTooHigh, TooManyFrames
 
 __all__ = ["DEFAULT_MAX_JPEG_SCANS", "DEFAULT_MAX_CHUNKS", "DecodeCost", "check_decode_cost"]
 

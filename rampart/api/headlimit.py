@@ -24,9 +24,9 @@ import uuid
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from . import metrics
-from .accesslog import log_request
-from .errors import HeadersTooLarge
+from rampart.telemetry import metrics
+from rampart.telemetry.accesslog import log_request
+from rampart.errors import HeadersTooLarge
 
 __all__ = ["MAX_HEAD_BYTES", "HeadLimitedProtocol", "limit_request_heads"]
 

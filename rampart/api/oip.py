@@ -10,7 +10,7 @@ Routes (``routes()``; ``{name}`` is ``rampart``, the served pipeline):
 
 Every image of an inference request goes through ``Classifier.classify``, the call
 ``/classify`` makes: the same decode, caps, admission, deadline and fallback chain.
-The body is read with ``rampart.http.read_body`` under ``/classify_batch``'s byte cap
+The body is read with ``rampart.api.http.read_body`` under ``/classify_batch``'s byte cap
 (``max_batch_images`` × (``max_body_bytes`` + multipart overhead)) and within the
 deadline, after ``Classifier.check_capacity`` (so shedding still costs nothing); each
 image is then held to ``max_body_bytes``.
@@ -61,10 +61,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from . import http
-from .config import Settings
-from .deadline import Deadline
-from .errors import EmptyBody, InternalError, InvalidParameter, Overloaded, PayloadTooLarge, RampartError
+from rampart.api import http
+from rampart.config import Settings
+from rampart.overload.deadline import Deadline
+from rampart.errors import EmptyBody, InternalError, InvalidParameter, Overloaded, PayloadTooLarge, RampartError
 
 __all__ = [
     "MODEL_NAME",
@@ -85,7 +85,7 @@ __all__ = [
     "routes",
 ]
 
-logger = logging.getLogger("rampart.oip")
+logger = logging.getLogger("rampart.api.oip")
 
 #: The served model: the whole pipeline (primary, fallback, cache, static answer).
 MODEL_NAME = "rampart"
@@ -100,10 +100,10 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration"]
 
 
 class Backend(Protocol):
-    """What the routes need from the app's state (``rampart.app.AppState``)."""
+    """What the routes need from the app's state (``rampart.api.app.AppState``)."""
 
     classifier: Any  # rampart.pipeline.Classifier
-    lifecycle: Any  # rampart.lifecycle.Lifecycle
+    lifecycle: Any  # rampart.api.lifecycle.Lifecycle
 
     def loop_lag_ms(self) -> float: ...
 
@@ -294,7 +294,7 @@ def parse_infer_request(body: bytes, header_length: str | None, max_image_bytes:
 
 
 class _Parameters:
-    """Request parameters seen through the interface ``rampart.http``'s parsers read (headers, query).
+    """Request parameters seen through the interface ``rampart.api.http``'s parsers read (headers, query).
 
     So ``top_k``, ``deadline_ms`` and ``priority`` get exactly the checks (and defaults)
     of ``?top_k``, ``X-Deadline-Ms`` and ``X-Priority`` on ``/classify``.
@@ -309,7 +309,7 @@ class _Parameters:
         if "priority" in parameters:
             headers["x-priority"] = _priority(parameters["priority"])
         self.headers = headers
-        self.scope = request.scope  # the arrival time (``rampart.arrival``) lives there
+        self.scope = request.scope  # the arrival time (``rampart.api.arrival``) lives there
         self.sets_deadline = "deadline_ms" in parameters or "timeout" in parameters
         self.query_params = dict(request.query_params)
         if "top_k" in parameters:
@@ -466,8 +466,8 @@ def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -
     """The protocol's Starlette routes.
 
     ``backend`` is the app's state (classifier, lifecycle, loop lag, readiness:
-    ``rampart.app.AppState``); ``account(request, request_id, high, started, status,
-    code, **extra)`` counts and logs each inference answer (``rampart.app.finished``),
+    ``rampart.api.app.AppState``); ``account(request, request_id, high, started, status,
+    code, **extra)`` counts and logs each inference answer (``rampart.api.app.finished``),
     so ``/v2`` traffic shows in the same metrics and access log.
     """
 

@@ -22,7 +22,7 @@ import time
 import psutil
 from prometheus_client import Counter, Gauge, Histogram
 
-from . import recovery
+from rampart.inputs import recovery
 
 __all__ = [
     "QUEUE_DEPTH", "INFLIGHT_BATCHES", "ADMITTED", "REJECTED", "RESPONSES", "TTL_DROPPED", "FALLBACK", "DEGRADED",
@@ -74,7 +74,7 @@ INPUT_MEGAPIXELS = Histogram(
 )
 INPUT_WARNINGS = Counter(
     "rampart_input_warnings_total",
-    "Answers for uploads decoded after repairing benign damage, by input warning (rampart/recovery.py).",
+    "Answers for uploads decoded after repairing benign damage, by input warning (rampart/inputs/recovery.py).",
     ["warning"],
 )
 TOP1_CONFIDENCE = Histogram(

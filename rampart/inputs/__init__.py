@@ -1,0 +1,1 @@
+"""From upload bytes to model inputs: format sniffing and bounded decoding (``decoding``), decode cost counted from headers before decoding (``decode_cost``), benign-damage repair (``recovery``), size buckets (``buckets``), the decode job run in a worker (``decode_job``) and the bounded worker pool (``pool``)."""

@@ -1,0 +1,1 @@
+"""Overload control: deadline-aware, priority-ordered admission with a measured throughput (``admission``), the circuit breaker (``breaker``), the deadline and its slices (``deadline``), and the event-loop lag monitor (``looplag``)."""
