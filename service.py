@@ -48,9 +48,11 @@ from rampart.lifecycle import logger as lifecycle_log
 from rampart.looplag import LoopLagMonitor
 from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
 from rampart.routing import JSONRouteErrors
+from rampart.shadow import ShadowMirror, models_busy
 from runners.common import RunnerItem
 from runners.fallback import Fallback
 from runners.primary import Primary
+from runners.shadow import Shadow
 
 logger = logging.getLogger("rampart.service")
 settings = get_settings()
@@ -112,6 +114,8 @@ async def classify(request: Request) -> JSONResponse:
     response = JSONResponse({"request_id": request_id, **result},
                             headers={"X-Request-Id": request_id, "Server-Timing": server_timing(result["timings_ms"])})
     finished(request, request_id, high, started, 200, "ok", result)
+    if service().shadow is not None:  # mirrors after the answer is sent: see rampart.shadow
+        response.background = service().shadow.background(request_id, result)
     return response
 
 
@@ -193,6 +197,8 @@ def finished(request: Request, request_id: str, high: bool, started: float, stat
              result: dict | None = None, **extra: object) -> None:
     """Count the answer (``rampart_responses_total``) and write its access-log line."""
     metrics.RESPONSES.labels(str(status), code).inc()
+    if status == 429 and service().shadow is not None:  # overload pauses shadow traffic: see rampart.shadow
+        service().shadow.note_overload()
     metrics.update_process_rss("api")
     log_request(request_id, request.url.path, status, code, high, (time.perf_counter() - started) * 1000.0,
                 result, **extra)
@@ -205,6 +211,7 @@ async def stats(request: Request) -> JSONResponse:
     body["lifecycle"] = {"state": rampart.lifecycle.state, "in_flight": rampart.lifecycle.in_flight}
     for role, runner in (("primary", rampart.primary), ("fallback", rampart.fallback)):
         body[role]["runner"] = await runner_stats(runner)
+    body["shadow"] = None if rampart.shadow is None else rampart.shadow.state()
     return JSONResponse(body)
 
 
@@ -284,6 +291,8 @@ class Rampart:
 
     primary = bentoml.depends(Primary)
     fallback = bentoml.depends(Fallback)
+    if settings.shadow_model:  # a third runner only when shadow traffic is on (README, "Shadow traffic")
+        shadow_runner = bentoml.depends(Shadow)
 
     def __init__(self) -> None:
         self.classifier = Classifier(
@@ -292,6 +301,11 @@ class Rampart:
             model_endpoint(settings.fallback_model, self.fallback),
             decode_pool(settings),
         )
+        self.shadow = None if not settings.shadow_model else ShadowMirror(
+            model_endpoint(settings.shadow_model, self.shadow_runner), settings.shadow_rate,
+            settings.shadow_deadline_ms, settings.shadow_max_inflight,
+            models_busy(self.classifier.primary, self.classifier.fallback),
+            getattr(self.shadow_runner, "is_ready", None))
         self.loop_lag = LoopLagMonitor()
         bound_inflight(self.classifier.inflight_limit, refuse_before_admission, ADMITTED_ROUTES)
         metrics.init_api_series()

@@ -45,6 +45,7 @@ from .decoding import DecodeLimits
 from .errors import CorruptImage, DecodeTimeout, Overloaded
 from .pool import BoundedPool, JobTimeout, WorkerDied
 from .results import MAX_TOP_K, label_entries, top_classes
+from .shadow import AnsweredBody
 
 __all__ = ["RunnerAnswer", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "decode_pool"]
 
@@ -471,7 +472,8 @@ class Classifier:
         indices, scores = top_classes(answer.probs, MAX_TOP_K)
         self.cache.put(prepared.key, CachedAnswer(indices, scores, lane.role, bucket.name))
         total_ms = _ms_since(start)
-        return {
+        # An AnsweredBody is the plain body that also keeps the model's inputs for shadow traffic (rampart.shadow).
+        return AnsweredBody({
             "labels": label_entries(indices[:top_k], scores[:top_k], endpoint.labels),
             "model": {"name": endpoint.name, "version": endpoint.version},
             "degraded": reason is not None,
@@ -481,7 +483,7 @@ class Classifier:
             "timings_ms": _timings(decode_ms, max(total_ms - decode_ms - answer.inference_ms, 0.0),
                                    answer.inference_ms, total_ms),
             "input_warnings": list(prepared.warnings),
-        }
+        }, lane.role, prepared.inputs, endpoint.labels, indices)
 
     def state(self) -> dict:
         """Admission, throughput and breaker state of both models, for ``GET /stats``."""
