@@ -114,8 +114,9 @@ class Settings(BaseModel):
 
     # Shadow traffic (rampart.shadow, README "Shadow traffic"): a candidate model in the store
     # (empty: off, no third runner) gets this share of the /classify requests a model answered,
-    # after the answer is sent, only while no admission gate has anything queued, at most
-    # shadow_max_inflight at once, each within shadow_deadline_ms, at shadow_nice.
+    # after the answer is sent, only while the models are not busy (rampart.shadow.models_busy) and
+    # no request was shed for a second, at most shadow_max_inflight at once, each within
+    # shadow_deadline_ms, its runner at shadow_nice.
     shadow_model: str = ""
     shadow_rate: float = Field(0.1, ge=0.0, le=1.0)
     shadow_deadline_ms: int = Field(1000, gt=0)
