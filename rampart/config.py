@@ -115,11 +115,24 @@ class Settings(BaseModel):
     # Batch API.
     max_batch_images: int = Field(16, ge=1)
 
+    # Shadow traffic (rampart.shadow, README "Shadow traffic"): a candidate model in the store
+    # (empty: off, no third runner) gets this share of the /classify requests a model answered,
+    # after the answer is sent, only while the models are not busy (rampart.shadow.models_busy) and
+    # no request was shed for a second, at most shadow_max_inflight at once, each within
+    # shadow_deadline_ms, its runner at shadow_nice.
+    shadow_model: str = ""
+    shadow_rate: float = Field(0.1, ge=0.0, le=1.0)
+    shadow_deadline_ms: int = Field(1000, gt=0)
+    shadow_max_inflight: int = Field(2, ge=1)
+    shadow_nice: int = Field(15, ge=0, le=19)
+
     # Fault injection for drills and tests: off by default.
     fault_primary_delay_ms: int = Field(0, ge=0)
     fault_primary_error_rate: float = Field(0.0, ge=0.0, le=1.0)
     fault_primary_hang: bool = False
     fault_fallback_error_rate: float = Field(0.0, ge=0.0, le=1.0)
+    fault_shadow_delay_ms: int = Field(0, ge=0)
+    fault_shadow_error_rate: float = Field(0.0, ge=0.0, le=1.0)
     # Every decode hangs (before decoding) until the fault ends: drills the decode timeout.
     fault_decode_hang: bool = False
     # A JSON file of fault_* keys, re-read while the server runs, that overrides the

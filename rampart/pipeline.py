@@ -52,6 +52,7 @@ from rampart.errors import CorruptImage, DecodeTimeout, Overloaded
 from rampart.lane import Attempt, ModelEndpoint, ModelLane, RunnerAnswer
 from rampart.inputs.pool import BoundedPool, JobTimeout, WorkerDied
 from rampart.results import MAX_TOP_K, label_entries, top_classes
+from rampart.shadow import AnsweredBody
 
 #: ``RunnerAnswer`` and ``ModelEndpoint`` live in ``rampart.lane``; they are importable from here too.
 __all__ = ["RunnerAnswer", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "decode_pool"]
@@ -282,11 +283,16 @@ class Classifier:
 
     def _model_answer(self, lane: ModelLane, answer: RunnerAnswer, prepared: Prepared, top_k: int, decode_ms: float,
                       start: float, reason: str | None) -> dict:
-        """The body for ``lane``'s ``answer``, whose top classes are kept in the cache first."""
+        """The body for ``lane``'s ``answer``, whose top classes are kept in the cache first.
+
+        An ``AnsweredBody``: a plain ``dict`` to every reader, which also carries the
+        decoded inputs and top classes, so shadow traffic can mirror the request.
+        """
         indices, scores = top_classes(answer.probs, MAX_TOP_K)
         ranked = CachedAnswer(indices, scores, lane.role, prepared.inputs[lane.role][0].name)
         self.cache.put(prepared.key, ranked)
-        return self._body(reason, start, decode_ms, prepared.warnings, ranked, top_k, answer.inference_ms)
+        body = self._body(reason, start, decode_ms, prepared.warnings, ranked, top_k, answer.inference_ms)
+        return AnsweredBody(body, lane.role, prepared.inputs, lane.endpoint.labels, indices)  # for rampart.shadow
 
     def _body(self, reason: str | None, start: float, decode_ms: float, warnings: tuple[str, ...] = (),
               ranked: CachedAnswer | None = None, top_k: int = 0, inference_ms: float | None = None) -> dict:

@@ -35,17 +35,15 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
-from rampart.api import http
-
-from rampart.telemetry import metrics
-
-from rampart.api import oip
-from rampart.telemetry.accesslog import log_request, server_timing
-from rampart.config import Settings
-from rampart.overload.deadline import Deadline
-from rampart.errors import InternalError, InvalidParameter, Overloaded, RampartError, Unavailable
+from rampart.api import http, oip
 from rampart.api.lifecycle import Lifecycle
+from rampart.config import Settings
+from rampart.errors import InternalError, InvalidParameter, Overloaded, RampartError, Unavailable
+from rampart.overload.deadline import Deadline
 from rampart.pipeline import Classifier
+from rampart.shadow import ShadowMirror
+from rampart.telemetry import metrics
+from rampart.telemetry.accesslog import log_request, server_timing
 
 __all__ = [
     "AppState",
@@ -79,14 +77,15 @@ async def _no_runner_stats(role: str) -> dict | None:
 @dataclass
 class AppState:
     """What the routes need: ``settings``, and from ``attach`` the ``classifier``, the ``lifecycle``,
-    ``loop_lag_ms()`` (the event loop's recent lag, ms, kept back from each deadline) and
-    ``runner_stats`` (for ``GET /stats``)."""
+    ``loop_lag_ms()`` (the event loop's recent lag, ms, kept back from each deadline),
+    ``runner_stats`` (for ``GET /stats``) and ``shadow`` (the shadow-traffic mirror, or None)."""
 
     settings: Settings
     classifier: Classifier | None = None
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # not ready until attached and marked ready
     loop_lag_ms: Callable[[], float] = lambda: 0.0
     runner_stats: RunnerStats = _no_runner_stats
+    shadow: ShadowMirror | None = None  # shadow traffic (``rampart.shadow``), off when None
 
     def ready(self) -> bool:
         """Whether requests are admitted: warmed up (``Lifecycle.mark_ready``) and not draining (``/readyz``)."""
@@ -135,16 +134,18 @@ def create_app(settings: Settings, *, classifier: Classifier | None = None, life
 
 
 def attach(app: Starlette, *, classifier: Classifier | None = None, lifecycle: Lifecycle | None = None,
-           loop_lag_ms: Callable[[], float] | None = None, runner_stats: RunnerStats | None = None) -> AppState:
+           loop_lag_ms: Callable[[], float] | None = None, runner_stats: RunnerStats | None = None,
+           shadow: ShadowMirror | None = None) -> AppState:
     """Give ``app``'s routes what they serve with; each argument left as None keeps what the app has.
 
     ``classifier``: the pipeline; ``lifecycle``: start-up and drain state (requests are refused
     503 until it is ready); ``loop_lag_ms()``: the event loop's recent lag in ms (default 0);
-    ``runner_stats(role)``: a runner's counters for ``GET /stats`` (default None). Returns the state.
+    ``runner_stats(role)``: a runner's counters for ``GET /stats`` (default None); ``shadow``: the
+    shadow-traffic mirror (default off). Returns the state.
     """
     state = state_of(app)
     given = {"classifier": classifier, "lifecycle": lifecycle, "loop_lag_ms": loop_lag_ms,
-             "runner_stats": runner_stats}
+             "runner_stats": runner_stats, "shadow": shadow}
     for name, value in given.items():
         if value is not None:
             setattr(state, name, value)
@@ -212,12 +213,16 @@ async def classify(request: Request, state: AppState) -> Response:
         ((_, data),) = await read_images(call, state, "image", 1, raw_body=True)
         result = await state.classifier.classify(data, call.top_k, call.deadline, call.high)
     except Exception as exc:
+        if isinstance(exc, Overloaded) and state.shadow is not None:
+            state.shadow.note_overload()  # mirrors pause while real traffic is shed
         return failed(request, call.request_id, call.high, call.started, exc)
     result["timings_ms"] = {"before_handler": round(call.deadline.before_handler_ms(), 3), **result["timings_ms"]}
     response = JSONResponse({"request_id": call.request_id, **result},
                             headers={"X-Request-Id": call.request_id,
                                      "Server-Timing": server_timing(result["timings_ms"])})
     finished(request, call.request_id, call.high, call.started, 200, "ok", result)
+    if state.shadow is not None:  # mirrored after the answer is sent: see rampart.shadow
+        response.background = state.shadow.background(call.request_id, result)
     return response
 
 
@@ -269,6 +274,7 @@ async def stats(request: Request, state: AppState) -> Response:
     body["lifecycle"] = {"state": state.lifecycle.state, "in_flight": state.lifecycle.in_flight}
     for role in ("primary", "fallback"):
         body[role]["runner"] = await state.runner_stats(role)
+    body["shadow"] = None if state.shadow is None else state.shadow.state()
     return JSONResponse(body)
 
 
@@ -303,6 +309,8 @@ def refuse_before_admission(app: Starlette) -> ASGIApp:
     async def refuse(scope, receive, send) -> None:
         request = Request(scope, receive)
         error = Overloaded("too many requests in flight; retry later", state.classifier.retry_after_s())
+        if state.shadow is not None:
+            state.shadow.note_overload()  # mirrors pause while real traffic is shed
         response = failed(request, http.request_id_of(request), False, time.perf_counter(), error)
         await response(scope, receive, send)
 

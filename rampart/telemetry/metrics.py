@@ -131,3 +131,30 @@ def update_process_rss(role: str, min_interval_s: float = 1.0) -> None:
     if now - _rss_updated_at >= min_interval_s:
         _rss_updated_at = now
         PROCESS_RSS.labels(role).set(psutil.Process(os.getpid()).memory_info().rss)
+
+
+# Shadow traffic (rampart.shadow). ``model`` is the lane whose answer was sent: primary or fallback.
+SHADOW_OUTCOMES = ("skipped_busy", "skipped_not_ready", "compared", "error", "timeout")
+SHADOW_REQUESTS = Counter(
+    "rampart_shadow_requests_total",
+    "Sampled requests by what became of their mirror: skipped_busy, skipped_not_ready, compared, error, timeout.",
+    ["outcome"],
+)
+SHADOW_TOP1_AGREED = Counter("rampart_shadow_top1_agreed_total",
+                             "Compared mirrors whose top-1 class equals the answer sent.", ["model"])
+SHADOW_TOP5_OVERLAP = Histogram(
+    "rampart_shadow_top5_overlap", "Share of the answer's top-5 classes also in the candidate's top 5 (0..1); "
+    "its _count is the compared mirrors.", ["model"], buckets=(0.0, 0.2, 0.4, 0.6, 0.8, 1.0),
+)
+SHADOW_SECONDS = Histogram("rampart_shadow_latency_seconds", "Duration of each answered shadow call.",
+                           buckets=_LATENCY_BUCKETS)
+__all__ += ["SHADOW_REQUESTS", "SHADOW_TOP1_AGREED", "SHADOW_TOP5_OVERLAP", "SHADOW_SECONDS", "init_shadow_series"]
+
+
+def init_shadow_series() -> None:
+    """Create the shadow-traffic series at 0 (call once in the entry service when a shadow model is set)."""
+    for outcome in SHADOW_OUTCOMES:
+        SHADOW_REQUESTS.labels(outcome)
+    for model in MODELS:
+        SHADOW_TOP1_AGREED.labels(model)
+        SHADOW_TOP5_OVERLAP.labels(model)
