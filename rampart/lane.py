@@ -67,6 +67,11 @@ class ModelEndpoint:
     buckets: dict[str, Bucket]
     call: RunnerCall
 
+    @property
+    def identity(self) -> dict[str, str]:
+        """``{"name", "version"}``: the ``model`` object of answers and ``/stats``."""
+        return {"name": self.name, "version": self.version}
+
 
 @dataclass(frozen=True)
 class Attempt:
@@ -244,7 +249,7 @@ class ModelLane:
         """Gate, throughput and breaker state, for ``GET /stats``."""
         gate = self.gate
         return {
-            "model": {"name": self.endpoint.name, "version": self.endpoint.version},
+            "model": self.endpoint.identity,
             "dispatched": gate.dispatched,
             "dispatch_window": gate.window,
             "queued": gate.queued,

@@ -311,7 +311,7 @@ class Classifier:
         return {
             "labels": [] if ranked is None else label_entries(ranked.indices[:top_k], ranked.scores[:top_k],
                                                                endpoint.labels),
-            "model": None if endpoint is None else {"name": endpoint.name, "version": endpoint.version},
+            "model": None if endpoint is None else endpoint.identity,
             "degraded": reason is not None,
             "degraded_reason": reason,
             "needs_review": ranked is None,

@@ -252,7 +252,7 @@ class ShadowMirror:
         compared = self.outcomes["compared"]
         latencies = np.asarray(self.latencies_ms)
         return {
-            "model": {"name": self.endpoint.name, "version": self.endpoint.version},
+            "model": self.endpoint.identity,
             "rate": self.rate,
             "ready": self.ready,
             "in_flight": self.in_flight,

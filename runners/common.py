@@ -18,21 +18,22 @@ import gc
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 import bentoml
 import numpy as np
 from pydantic import Field
 
 
-from rampart.telemetry import metrics
-from rampart.inputs.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
-from rampart.config import get_settings
-from rampart.faults import FaultInjector
 from rampart.api.lifecycle import RUNNER_EXIT_MARGIN_S, intercept_exit_signals, wait_for_entry_workers
 from rampart.api.lifecycle import logger as lifecycle_log
+from rampart.config import Settings, get_settings
+from rampart.faults import FaultInjector, FaultSpec
+from rampart.inputs.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
+from rampart.telemetry import metrics
 
-__all__ = ["RunnerItem", "RunnerResult", "BucketedRunner", "bucket_apis", "runner_service", "lower_cpu_priority",
-           "dispatch_when_free"]
+__all__ = ["RunnerItem", "RunnerResult", "BucketedRunner", "RunnerSpec", "runner_spec", "load_engine", "define_runner",
+           "lower_cpu_priority", "dispatch_when_free"]
 
 
 def dispatch_when_free() -> None:
@@ -260,17 +261,6 @@ def lower_cpu_priority(nice: int) -> None:
             pass  # the thread ended meanwhile
 
 
-def runner_service(name: str, timeout_s: float, concurrent_batches: int):
-    """The ``bentoml.service`` decorator of a runner: one worker, ``concurrent_batches`` inference threads.
-
-    The thread count bounds the concurrent batches per device (default 1); the three
-    bucket dispatchers queue behind it. BentoML's access log (one line per runner
-    call) is on only when ``runner_access_log_enabled()``.
-    """
-    return bentoml.service(name=name, workers=1, threads=concurrent_batches, traffic={"timeout": timeout_s},
-                           logging={"access": {"enabled": runner_access_log_enabled()}})
-
-
 def runner_access_log_enabled() -> bool:
     """Whether the runners write BentoML's access line for every call (batch and ``/stats``).
 
@@ -284,11 +274,95 @@ def runner_access_log_enabled() -> bool:
     return get_settings().runner_access_log or get_debug_mode()
 
 
-def bucket_apis(max_batch_size: int, max_latency_ms: int) -> tuple:
-    """One batchable ``bentoml.api`` per bucket name, each calling ``run_bucket``.
+@dataclass(frozen=True)
+class RunnerSpec:
+    """What one runner service is, from the settings (``runner_spec``).
 
-    Use as ``square, landscape, portrait = bucket_apis(...)`` in a service class body.
+    ``role`` ("primary", "fallback" or "shadow") names the service ``rampart_<role>``;
+    ``tag`` is the model in the store (empty: none, the service is declared but never
+    started); ``max_batch_size`` and ``max_latency_ms`` configure BentoML's adaptive
+    batching; ``concurrent_batches`` is the runner's thread count; ``nice`` its CPU
+    niceness; ``faults`` what to inject; ``memory_fraction`` the share of the GPU's memory
+    a PyTorch model may take; ``timeout_s`` BentoML's traffic timeout (s).
     """
+
+    role: str
+    tag: str
+    max_batch_size: int
+    max_latency_ms: int
+    concurrent_batches: int
+    nice: int
+    faults: FaultSpec
+    memory_fraction: float
+    timeout_s: float
+
+
+def runner_spec(settings: Settings, role: str) -> RunnerSpec:
+    """The ``RunnerSpec`` of ``role`` from ``settings``; raises ``ValueError`` for another role.
+
+    The shadow runner gets batches of at most ``shadow_max_inflight`` (never more are
+    sent), what the primary leaves of the GPU's memory, and a timeout from its own deadline.
+    """
+    longest_s = settings.max_deadline_ms / 1000 + 10
+    if role == "primary":
+        return RunnerSpec(role, settings.primary_model, settings.primary_max_batch_size, settings.primary_max_latency_ms,
+                          settings.primary_concurrent_batches, settings.primary_nice,
+                          FaultSpec(settings.fault_primary_delay_ms, settings.fault_primary_error_rate,
+                                    settings.fault_primary_hang),
+                          settings.gpu_memory_fraction, longest_s)
+    if role == "fallback":
+        return RunnerSpec(role, settings.fallback_model, settings.fallback_max_batch_size,
+                          settings.fallback_max_latency_ms, settings.fallback_concurrent_batches, settings.fallback_nice,
+                          FaultSpec(error_rate=settings.fault_fallback_error_rate),
+                          settings.gpu_memory_fraction, longest_s)
+    if role == "shadow":
+        return RunnerSpec(role, settings.shadow_model, max(2, settings.shadow_max_inflight), settings.max_deadline_ms,
+                          1, settings.shadow_nice,
+                          FaultSpec(settings.fault_shadow_delay_ms, settings.fault_shadow_error_rate),
+                          max(0.05, 1.0 - settings.gpu_memory_fraction), settings.shadow_deadline_ms / 1000 + 10)
+    raise ValueError(f"unknown runner role {role!r}")
+
+
+def load_engine(model, memory_fraction: float):
+    """The inference engine for a stored model (``bentoml.Model``), chosen by its ``framework`` metadata.
+
+    "onnx": ``inference.engines.OnnxClassifier`` on ``model.onnx``; "pytorch":
+    ``family``/``arch`` built by ``inference.architectures`` with ``weights.pt`` loaded, in
+    ``inference.engines.TorchClassifier`` capped at ``memory_fraction`` of the GPU's
+    memory. Both take uint8 N×H×W×3 and return float32 N×C. Raises ``ValueError`` for
+    another framework. The metadata is written by ``python -m models.import_models``.
+    """
+    meta = model.info.metadata
+    framework = meta.get("framework")
+    if framework == "onnx":
+        from inference.engines import OnnxClassifier
+
+        return OnnxClassifier(model.path_of("model.onnx"), meta["mean"], meta["std"])
+    if framework == "pytorch":
+        import torch
+
+        from inference.architectures import create_architecture
+        from inference.engines import TorchClassifier
+
+        module = create_architecture(meta["family"], meta["arch"], num_classes=len(meta["labels"]))
+        module.load_state_dict(torch.load(model.path_of("weights.pt"), map_location="cpu", weights_only=True))
+        return TorchClassifier(module, meta["mean"], meta["std"], memory_fraction=memory_fraction)
+    raise ValueError(f"model {model.tag}: framework {framework!r} is neither 'onnx' nor 'pytorch'")
+
+
+def define_runner(role: str, name: str, doc: str) -> bentoml.Service:
+    """The BentoML service ``rampart_<role>`` whose class is named ``name`` with docstring ``doc``.
+
+    One worker with ``concurrent_batches`` inference threads (they bound the concurrent
+    batches per device; the three bucket dispatchers queue behind them), one batchable
+    ``bentoml.api`` per size bucket (``/square``, ``/landscape``, ``/portrait``, each
+    calling ``run_bucket``), and BentoML's access log (one line per runner call) only when
+    ``runner_access_log_enabled()``. ``__init__`` loads the engine (``load_engine``), sets
+    up buckets, faults and niceness, and warms up. BentoML finds a dependency's service by
+    its name, so the class may be made here once for every runner module.
+    """
+    settings = get_settings()
+    spec = runner_spec(settings, role)
 
     def api_for(bucket_name: str):
         def predict(self, items: list[RunnerItem]) -> list[RunnerResult]:
@@ -296,9 +370,20 @@ def bucket_apis(max_batch_size: int, max_latency_ms: int) -> tuple:
 
         predict.__name__ = predict.__qualname__ = bucket_name
         predict.__doc__ = f"Classify a batch of {bucket_name} images (adaptive batching)."
-        return bentoml.api(
-            predict, route=f"/{bucket_name}", batchable=True,
-            max_batch_size=max_batch_size, max_latency_ms=max_latency_ms,
-        )
+        return bentoml.api(predict, route=f"/{bucket_name}", batchable=True,
+                           max_batch_size=spec.max_batch_size, max_latency_ms=spec.max_latency_ms)
 
-    return tuple(api_for(name) for name in BUCKET_NAMES)
+    def __init__(self) -> None:
+        self.engine = load_engine(self.model, spec.memory_fraction)
+        self.setup(role, self.model.info.metadata["resolution"], FaultInjector(role, spec.faults, settings.fault_file),
+                   spec.max_batch_size, spec.nice, settings.max_deadline_ms)
+        self.warm_up()
+
+    body = {"__doc__": doc, "__module__": f"runners.{role}", "__init__": __init__,
+            **{bucket: api_for(bucket) for bucket in BUCKET_NAMES}}
+    if spec.tag:  # no model to pack or load for a runner that is off (an empty shadow_model)
+        body["model"] = bentoml.models.BentoModel(spec.tag)
+    cls = type(name, (BucketedRunner,), body)
+    return bentoml.service(name=f"rampart_{role}", workers=1, threads=spec.concurrent_batches,
+                           traffic={"timeout": spec.timeout_s},
+                           logging={"access": {"enabled": runner_access_log_enabled()}})(cls)
