@@ -66,9 +66,20 @@ def signal_tree(pid: int, sig: int) -> None:
 
 
 def stop_tree(pid: int, timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM ``pid``'s tree, wait up to ``timeout_s`` for it to exit, then SIGKILL what is left."""
+    """SIGTERM ``pid`` alone and wait up to ``timeout_s`` for its whole tree to exit, then SIGKILL what is left.
+
+    ``bentoml serve`` stops its workers itself, in order: the entry service drains first,
+    and the runners serve it until it has gone (``rampart.api.lifecycle``). Signalling
+    every process at once would start each runner's own wait for the entry service
+    instead, and the tree would take up to ``timeout_s`` to go.
+    """
     processes = _tree(pid)
-    signal_tree(pid, signal.SIGTERM)
+    if not processes:
+        return
+    try:
+        processes[0].send_signal(signal.SIGTERM)
+    except psutil.NoSuchProcess:
+        pass
     _, alive = psutil.wait_procs(processes, timeout=timeout_s)
     for process in alive:
         try:
