@@ -1,6 +1,6 @@
 """GPU check: raw fp16 ceilings of both models, Rampart's knee and 5× overload, as one JSON document.
 
-``bash bench/gpu_check.sh [--quick] [--raw] [--out FILE]`` (the shell script only picks
+``bash bench/gpu_check.sh [--quick] [--raw] [--max-batch N] [--out FILE]`` (the shell script only picks
 the Python interpreter and a hard time limit, then runs ``python -m bench.gpu_check``).
 It finishes within 8 minutes on a one-GPU machine (``--budget-s``, default 420 s, is
 shared out between the steps; the wrapper kills it at 470 s) and prints the JSON
@@ -57,14 +57,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="batches 1-4, short measurements, no served steps")
     parser.add_argument("--raw", action="store_true", help="raw-engine mode: no BentoML, no model store")
     parser.add_argument("--budget-s", type=float, default=420.0, help="time budget for the whole run (s)")
+    parser.add_argument("--max-batch", type=int, default=FULL_BATCHES[-1],
+                        help="largest batch size of the raw ceilings (e.g. 4 to try the served steps on a CPU)")
     parser.add_argument("--out", type=Path, help="also write the JSON here, after every step")
     args = parser.parse_args(argv)
+    if args.max_batch < 1:
+        parser.error("--max-batch must be at least 1")
     started = time.monotonic()
 
     import torch
 
     cuda = torch.cuda.is_available()
-    batches = QUICK_BATCHES if args.quick else FULL_BATCHES
+    batches = tuple(size for size in (QUICK_BATCHES if args.quick else FULL_BATCHES) if size <= args.max_batch)
     # Raw ceilings get at most 40% of the budget, split evenly over every (engine, batch) pair.
     measure_s = 0.3 if args.quick else min(2.0, 0.4 * args.budget_s / (3 * len(batches)))
     report: dict = {

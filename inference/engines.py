@@ -47,10 +47,13 @@ class HostStaging:
         self.pin = pin
         self._local = threading.local()
 
-    def buffer(self, name: str, shape: tuple[int, ...], dtype) -> "torch.Tensor":  # noqa: F821
+    def buffer(self, name: str, shape: tuple[int, ...], dtype):
+        """A ``shape`` × ``dtype`` torch tensor on this thread's buffer ``name`` (contents undefined)."""
         torch = self._torch
         nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        buffers = self._local.__dict__.setdefault("buffers", {})
+        buffers = getattr(self._local, "buffers", None)
+        if buffers is None:
+            buffers = self._local.buffers = {}
         flat = buffers.get(name)
         if flat is None or flat.numel() < nbytes:
             flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
@@ -88,6 +91,8 @@ class TorchClassifier:
         if self.on_cuda:
             torch.cuda.set_per_process_memory_fraction(memory_fraction, self.device)
         self.module = module.eval().to(self.device, memory_format=torch.channels_last)
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)  # weights in place before any thread's own stream reads them
         self.mean, self.std = float(mean), float(std)
         self.oom_splits = 0
         self._staging = HostStaging(pin=self.on_cuda)
