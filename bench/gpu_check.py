@@ -50,6 +50,8 @@ FULL_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 QUICK_BATCHES = (1, 2, 4)
 #: Seconds needed by steps 2 and 3: server start-up (~60 s), ramp 9 × 4 s, overload 8 s, drains.
 SERVED_STEPS_S = 180.0
+#: Untimed calls per batch size first: the first calls of a shape pick cuDNN / oneDNN kernels.
+WARMUP_CALLS = 3
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             args.out.write_text(json.dumps(report, indent=2))
 
-    report["raw_ceiling"] = raw_ceiling(batches, measure_s, cuda)
+    report["raw_ceiling"] = raw_ceiling(batches, measure_s, 1 if args.quick else WARMUP_CALLS, cuda)
     save()
     knee_and_overload(report, args, budget_left_s=args.budget_s - (time.monotonic() - started))
     save()
@@ -108,7 +110,7 @@ def machine(torch) -> dict:
     return info
 
 
-def raw_ceiling(batches: tuple[int, ...], measure_s: float, cuda: bool) -> dict:
+def raw_ceiling(batches: tuple[int, ...], measure_s: float, warmup_calls: int, cuda: bool) -> dict:
     """Images/s per batch size of the primary (torch) and the fallback (ONNX Runtime, and torch).
 
     Returns ``{"primary": entry, "fallback": {"onnxruntime": entry, "torch": entry}}``; an
@@ -123,13 +125,15 @@ def raw_ceiling(batches: tuple[int, ...], measure_s: float, cuda: bool) -> dict:
     primary = _module(LITE2)
     result["primary"] = {"model": f"EfficientNet-Lite2 ({LITE2.arch})", "engine": "TorchClassifier",
                          "precision": precision, "resolution": LITE2.resolution,
-                         **_sweep(TorchClassifier(primary, LITE_MEAN, LITE_STD), LITE2.resolution, batches, measure_s)}
+                         **_sweep(TorchClassifier(primary, LITE_MEAN, LITE_STD), LITE2.resolution, batches, measure_s,
+                                  warmup_calls)}
     fallback = _module(LITE0)
     result["fallback"] = {
-        "onnxruntime": _onnx_entry(fallback, LITE0.resolution, batches, measure_s, cuda),
+        "onnxruntime": _onnx_entry(fallback, LITE0.resolution, batches, measure_s, warmup_calls, cuda),
         "torch": {"model": f"EfficientNet-Lite0 ({LITE0.arch})", "engine": "TorchClassifier", "precision": precision,
                   "resolution": LITE0.resolution,
-                  **_sweep(TorchClassifier(fallback, LITE_MEAN, LITE_STD), LITE0.resolution, batches, measure_s)},
+                  **_sweep(TorchClassifier(fallback, LITE_MEAN, LITE_STD), LITE0.resolution, batches, measure_s,
+                           warmup_calls)},
     }
     return result
 
@@ -141,7 +145,8 @@ def _module(weights):
     return load_torch("timm", weights.arch, weights.path(), in_order=True)
 
 
-def _onnx_entry(module, resolution: int, batches: tuple[int, ...], measure_s: float, cuda: bool) -> dict:
+def _onnx_entry(module, resolution: int, batches: tuple[int, ...], measure_s: float, warmup_calls: int,
+                cuda: bool) -> dict:
     """The fallback through ``OnnxClassifier``: CUDA provider on a GPU host (else skipped), CPU provider on a CPU host."""
     try:
         import onnxruntime as ort
@@ -164,11 +169,12 @@ def _onnx_entry(module, resolution: int, batches: tuple[int, ...], measure_s: fl
         if cuda and provider != "CUDAExecutionProvider":
             return {"skipped": f"the ONNX Runtime session fell back to {provider} (see the log line above)"}
         return {"model": "EfficientNet-Lite0 (ONNX, opset 17)", "engine": "OnnxClassifier", "provider": provider,
-                "precision": "fp32", "resolution": resolution, **_sweep(engine, resolution, batches, measure_s)}
+                "precision": "fp32", "resolution": resolution,
+                **_sweep(engine, resolution, batches, measure_s, warmup_calls)}
 
 
-def _sweep(engine, resolution: int, batches: tuple[int, ...], measure_s: float) -> dict:
-    """Images/s of ``engine.predict`` at each batch size: one warm-up call, then calls for ``measure_s`` seconds.
+def _sweep(engine, resolution: int, batches: tuple[int, ...], measure_s: float, warmup_calls: int) -> dict:
+    """Images/s of ``engine.predict`` at each batch size: ``warmup_calls`` untimed, then calls for ``measure_s`` s.
 
     ``predict`` returns host arrays (the CUDA engine synchronises its stream), so wall
     time is the real time per batch, copies included.
@@ -177,7 +183,8 @@ def _sweep(engine, resolution: int, batches: tuple[int, ...], measure_s: float) 
     rates = {}
     for size in batches:
         batch = rng.integers(0, 256, size=(size, resolution, resolution, 3), dtype=np.uint8)
-        engine.predict(batch)
+        for _ in range(warmup_calls):
+            engine.predict(batch)
         calls, start = 0, time.perf_counter()
         while True:
             engine.predict(batch)
