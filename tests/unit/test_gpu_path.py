@@ -10,6 +10,7 @@ per-thread host buffers are per thread and reused.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import subprocess
@@ -93,10 +94,19 @@ def test_onnx_fails_over_to_cpu_with_one_clear_line_when_cuda_cannot_load(tiny_o
     assert len(lines) == 1 and lines[0].levelno == logging.WARNING
     message = lines[0].getMessage()
     assert "CUDA provider unavailable" in message and "failing over to CPUExecutionProvider" in message
-    assert "libcuda.so.1" in message  # the reason: this host has no NVIDIA driver
+    if not _driver_present():
+        assert "libcuda.so.1" in message  # the reason: this host has no NVIDIA driver
     assert engine.providers == ["CPUExecutionProvider"]
     assert "CUDAExecutionProvider" not in capfd.readouterr().err  # ONNX Runtime's own two lines are silenced
     np.testing.assert_allclose(probs, reference.predict(batch), rtol=1e-6)
+
+
+def _driver_present() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
 
 
 def test_torch_cpu_path_has_no_stream_and_equals_the_plain_computation():
