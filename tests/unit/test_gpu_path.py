@@ -1,0 +1,137 @@
+"""The GPU path, checked on a CPU host: CUDA libraries present, ONNX Runtime failover, torch staging.
+
+No GPU runs here. What can be checked without one: the CUDA 13 / cuDNN 9 libraries that
+onnxruntime-gpu's CUDA provider loads come with the pinned torch wheel; when the CUDA
+provider is requested but cannot load (injected by making the GPU check say yes on this
+CPU host), the fallback engine logs exactly one failover line and still answers; the
+primary engine's CPU path makes no stream and equals the plain computation; the
+per-thread host buffers are per thread and reused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import subprocess
+import sys
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from inference import engines
+from inference.engines import HostStaging, OnnxClassifier, TorchClassifier
+
+RNG = np.random.default_rng(13)
+
+
+def test_cuda_libraries_of_onnxruntime_gpu_come_with_the_pinned_torch():
+    """``preload_dlls`` finds CUDA runtime, cuBLAS(Lt), cuRAND, cuFFT and cuDNN 9 in the venv, without torch imported."""
+    script = (
+        "import json, onnxruntime as ort, onnxruntime.capi.build_and_package_info as info\n"
+        "ort.preload_dlls()\n"
+        "maps = open('/proc/self/maps').read().split('\\n')\n"
+        "print(json.dumps({'cuda': info.cuda_version, 'torch_loaded': 'torch' in __import__('sys').modules,\n"
+        "    'libs': sorted({l.rsplit('/', 1)[-1] for l in maps if '/site-packages/nvidia/' in l})}))\n"
+    )
+    found = json.loads(subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                                      check=True).stdout)
+    assert not found["torch_loaded"]
+    assert found["cuda"].split(".")[0] == torch.version.cuda.split(".")[0] == "13"
+    for soname in ("libcudart.so.13", "libcublas.so.13", "libcublasLt.so.13", "libcurand.so.10", "libcufft.so.12",
+                   "libcudnn.so.9"):
+        assert soname in found["libs"], (soname, found["libs"])
+
+
+class _Tiny(torch.nn.Module):
+    """3-channel image -> 5 logits: a 3×3 convolution, global average pool, linear layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(13)
+        self.conv = torch.nn.Conv2d(3, 4, 3)
+        self.fc = torch.nn.Linear(4, 5)
+
+    def forward(self, x):
+        return self.fc(self.conv(x).mean(dim=(2, 3)))
+
+
+@pytest.fixture(scope="module")
+def tiny_onnx(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("onnx") / "tiny.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy exporter's deprecation notes
+        torch.onnx.export(_Tiny().eval(), torch.zeros(1, 3, 16, 16), str(path), opset_version=17, dynamo=False,
+                          input_names=["input"], output_names=["logits"], dynamic_axes={"input": {0: "batch"}})
+    return str(path)
+
+
+def _batch(n: int = 3, side: int = 16) -> np.ndarray:
+    return RNG.integers(0, 256, size=(n, side, side, 3), dtype=np.uint8)
+
+
+def test_onnx_on_a_cpu_host_uses_the_cpu_provider_and_says_nothing(tiny_onnx, caplog, capfd):
+    with caplog.at_level(logging.DEBUG, logger="rampart.engines"):
+        engine = OnnxClassifier(tiny_onnx, 127.0, 128.0)
+        probs = engine.predict(_batch())
+    assert engine.providers == ["CPUExecutionProvider"]
+    assert probs.shape == (3, 5) and np.allclose(probs.sum(axis=1), 1.0, atol=1e-5)
+    assert [r for r in caplog.records if r.name == "rampart.engines"] == []
+    assert capfd.readouterr().err == ""
+
+
+def test_onnx_fails_over_to_cpu_with_one_clear_line_when_cuda_cannot_load(tiny_onnx, caplog, capfd, monkeypatch):
+    reference = OnnxClassifier(tiny_onnx, 127.0, 128.0)
+    monkeypatch.setattr(engines, "_cuda_present", lambda: True)  # the fault: torch "sees" a GPU this host lacks
+    batch = _batch()
+    with caplog.at_level(logging.DEBUG, logger="rampart.engines"):
+        engine = OnnxClassifier(tiny_onnx, 127.0, 128.0)
+        probs = engine.predict(batch)
+    lines = [r for r in caplog.records if r.name == "rampart.engines"]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING
+    message = lines[0].getMessage()
+    assert "CUDA provider unavailable" in message and "failing over to CPUExecutionProvider" in message
+    if not _driver_present():
+        assert "libcuda.so.1" in message  # the reason: this host has no NVIDIA driver
+    assert engine.providers == ["CPUExecutionProvider"]
+    assert "CUDAExecutionProvider" not in capfd.readouterr().err  # ONNX Runtime's own two lines are silenced
+    np.testing.assert_allclose(probs, reference.predict(batch), rtol=1e-6)
+
+
+def _driver_present() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+def test_torch_cpu_path_has_no_stream_and_equals_the_plain_computation():
+    module = _Tiny().eval()
+    engine = TorchClassifier(module, 127.0, 128.0, device="cpu")
+    batch = _batch(4)
+    probs = engine.predict(batch)
+    assert engine.stream() is None and engine.gpu_memory() is None
+    x = (torch.from_numpy(batch).permute(0, 3, 1, 2).float() - 127.0) / 128.0
+    with torch.inference_mode():
+        expected = torch.softmax(module(x), dim=1).numpy()
+    np.testing.assert_allclose(probs, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_host_staging_gives_each_thread_its_own_buffer_and_reuses_it():
+    staging = HostStaging(pin=False)
+    first = staging.buffer("input", (4, 8, 8, 3), torch.uint8)
+    smaller = staging.buffer("input", (2, 8, 8, 3), torch.uint8)
+    assert smaller.data_ptr() == first.data_ptr()  # reused, not reallocated
+    larger = staging.buffer("input", (8, 8, 8, 3), torch.uint8)
+    assert larger.shape == (8, 8, 8, 3) and larger.dtype == torch.uint8
+    floats = staging.buffer("output", (8, 5), torch.float32)
+    assert floats.shape == (8, 5) and floats.dtype == torch.float32 and floats.data_ptr() != larger.data_ptr()
+    other: list[int] = []
+    thread = threading.Thread(target=lambda: other.append(staging.buffer("input", (8, 8, 8, 3), torch.uint8).data_ptr()))
+    thread.start()
+    thread.join()
+    assert other and other[0] != larger.data_ptr()
