@@ -352,7 +352,7 @@ class Classifier:
 
     def _model_answer(self, lane: ModelLane, answer: RunnerAnswer, prepared: Prepared, top_k: int, decode_ms: float,
                       start: float, reason: str | None, route: str) -> dict:
-        """The body for ``lane``'s ``answer`` taken by ``route`` (``ROUTES``), whose top classes are kept in the cache first.
+        """The body for ``lane``'s ``answer``, reached by ``route`` (``ROUTES``); its top classes are cached first.
 
         An ``AnsweredBody``: a plain ``dict`` to every reader, which also carries the
         decoded inputs and top classes, so shadow traffic can mirror the request.

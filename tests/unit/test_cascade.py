@@ -93,7 +93,8 @@ def test_the_threshold_is_inclusive_and_the_confidence_kind_counts():
 
 
 @pytest.mark.parametrize("fault, reason", [("error", "primary_error"), ("hang", "primary_timeout"),
-                                           ("full_gate", "primary_overloaded"), ("open_breaker", "primary_circuit_open")])
+                                           ("full_gate", "primary_overloaded"),
+                                           ("open_breaker", "primary_circuit_open")])
 def test_when_the_primary_cannot_answer_the_unsure_fallback_answer_is_degraded(fault, reason):
     rig = Cascade(fallback_score=0.3, breaker_min_calls=2)
     if fault == "full_gate":
