@@ -24,12 +24,23 @@ each service runs in its own subprocess on 127.0.0.1.
    the ramp and 5× its own knee; the ratios Rampart/baseline are reported for knee
    throughput, goodput at 5× and P99 at 5×.
 
+6. **Cascade against primary-first** (``cascade_scenario``), on the calibration's
+   evaluation set (``bench.cascade_eval.evaluation_set``, each image re-encoded as JPEG
+   quality 90 like the other bodies): a second Rampart with ``RAMPART_ROUTING=cascade``
+   (default threshold) gets the same ramp as primary-first Rampart on the same bodies.
+   Reported per arm: the knee, the *full knee* (the knee rule plus at most 1% degraded
+   answers: the highest throughput at full quality), their P99, and the answers'
+   routes; and the cascade's top-1 agreement with the primary-only answers on every
+   image (both servers asked one image at a time with a 10 s deadline, so nothing is
+   degraded). ``--cascade-only`` runs just this scenario and writes ``cascade.json``.
+
 ``--quick`` shrinks every step (the test suite uses it to prove the command works).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import platform
@@ -93,16 +104,18 @@ class Service:
                                "--port", str(port), "--log-level", "warning"],
     }
 
-    def __init__(self, name: str, log_dir: Path, env: dict[str, str] | None = None) -> None:
-        """Start service ``name`` (see ``COMMANDS``) with extra environment ``env``; its log goes to ``log_dir``."""
+    def __init__(self, name: str, log_dir: Path, env: dict[str, str] | None = None, label: str | None = None) -> None:
+        """Start service ``name`` (see ``COMMANDS``) with extra environment ``env``; its log goes to
+        ``log_dir/<label>.log`` (``label`` defaults to ``name``; two instances of one service need two)."""
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/classify"
         self.form_field = "image" if name == "plain_bentoml" else None
-        self.log = open(log_dir / f"{name}.log", "wb")
+        label = label or name
+        self.log = open(log_dir / f"{label}.log", "wb")
         self.process = subprocess.Popen(self.COMMANDS[name](self.port), cwd=ROOT, stdout=self.log,
                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                        env={**os.environ, **private_bentoml_home(log_dir / f"{name}-home"),
+                                        env={**os.environ, **private_bentoml_home(log_dir / f"{label}-home"),
                                              **(env or {})})
 
     def wait_ready(self, bodies: list[bytes], timeout_s: float = 300) -> None:
@@ -166,9 +179,101 @@ def ramp(service: Service, bodies: list[bytes], clients: list[int], step_s: floa
         steps.append({"clients": n, **{k: summary[k] for k in ("throughput_rps", "p50_ms", "p90_ms", "p99_ms",
                                                                 "degraded_rate")},
                       "error_rate": round(1 - summary["ok"] / max(summary["requests"], 1), 4)})
-    within = [s for s in steps if s["p99_ms"] is not None and s["p99_ms"] <= SLO_MS and s["error_rate"] <= 0.01]
-    knee = max(within, key=lambda s: s["throughput_rps"]) if within else min(steps, key=lambda s: s["p99_ms"] or 1e9)
-    return {"steps": steps, "knee": knee}
+    return {"steps": steps, "knee": knee(steps)}
+
+
+def knee(steps: list[dict], max_degraded_rate: float = 1.0) -> dict:
+    """The ramp step with the highest throughput whose P99 ≤ SLO, ≤ 1% errors (or 429s) and at most
+    ``max_degraded_rate`` degraded answers; when none qualifies, the step with the lowest P99."""
+    within = [s for s in steps if s["p99_ms"] is not None and s["p99_ms"] <= SLO_MS and s["error_rate"] <= 0.01
+              and s["degraded_rate"] <= max_degraded_rate]
+    return max(within, key=lambda s: s["throughput_rps"]) if within else min(steps, key=lambda s: s["p99_ms"] or 1e9)
+
+
+#: Most degraded answers a ramp step may have to count for the *full knee* of the cascade scenario.
+FULL_KNEE_DEGRADED_RATE = 0.01
+#: Deadline of the one-at-a-time answers the cascade scenario compares: long enough that nothing degrades.
+AGREEMENT_DEADLINE_MS = 10_000
+
+
+def scenario_bodies(quick: bool) -> list[tuple[str, bytes]]:
+    """The calibration's evaluation set (``bench.cascade_eval.evaluation_set``: 322 images, 24 with ``quick``)
+    as ``(name, JPEG quality 90 bytes)``, the format of the other benchmark bodies."""
+    from PIL import Image
+
+    from bench.cascade_eval import evaluation_set
+
+    out = []
+    for image in evaluation_set(quick=quick):
+        buffer = io.BytesIO()
+        Image.open(io.BytesIO(image.data)).convert("RGB").save(buffer, "JPEG", quality=90)
+        out.append((image.name, buffer.getvalue()))
+    return out
+
+
+def answers_one_at_a_time(service: Service, named: list[tuple[str, bytes]]) -> dict[str, dict]:
+    """``{name: {"top1", "model", "route", "degraded_reason"}}`` for every body, asked one at a time
+    with an ``AGREEMENT_DEADLINE_MS`` deadline (``top1`` None when the answer had no labels or was not 200)."""
+    out = {}
+    with httpx.Client(timeout=AGREEMENT_DEADLINE_MS / 1000 + 5) as client:
+        for name, body in named:
+            response = client.post(service.url, content=body, headers={"X-Deadline-Ms": str(AGREEMENT_DEADLINE_MS)})
+            answer = response.json() if response.status_code == 200 else {}
+            labels = answer.get("labels") or []
+            out[name] = {"top1": labels[0]["index"] if labels else None,
+                         "model": (answer.get("model") or {}).get("name"), "route": answer.get("route"), "degraded_reason": answer.get("degraded_reason")}
+    return out
+
+
+def cascade_arm(service: Service, named: list[tuple[str, bytes]], clients: list[int], step_s: float) -> dict:
+    """One arm of the cascade scenario on a ready Rampart: answers one at a time, the ramp on the same bodies,
+    its knee and full knee, and the server's ``/stats`` ``cascade`` section after it all."""
+    answers = answers_one_at_a_time(service, named)
+    result = ramp(service, [body for _, body in named], clients, step_s)
+    result["full_knee"] = knee(result["steps"], FULL_KNEE_DEGRADED_RATE)
+    result["answers"] = answers
+    result["stats_cascade"] = httpx.get(service.url.rsplit("/", 1)[0] + "/stats", timeout=10).json()["cascade"]
+    return result
+
+
+def cascade_scenario(log_dir: Path, named: list[tuple[str, bytes]], clients: list[int], step_s: float,
+                     arms: dict[str, dict] | None = None) -> dict:
+    """Cascade against primary-first Rampart on the bodies ``named`` (``scenario_bodies``; module doc, step 6).
+
+    ``arms``: arms already measured (``cascade_arm``), by routing; each missing one gets its
+    own Rampart, started and stopped here, one server at a time. Returns both arms, the
+    ratios cascade/primary-first of knee and full-knee throughput, and ``agreement``: the
+    share of images whose cascade top-1 equals the primary-only top-1 (over the images the
+    primary answered, not degraded, and the cascade answered with labels), with the
+    cascade's ``fallback_share`` and route counts on those one-at-a-time answers.
+    """
+    arms = dict(arms or {})
+    for routing in ("primary-first", "cascade"):
+        if routing in arms:
+            continue
+        service = Service("rampart", log_dir, env={"RAMPART_ROUTING": routing}, label=f"rampart-{routing}")
+        try:
+            service.wait_ready([body for _, body in named])
+            arms[routing] = cascade_arm(service, named, clients, step_s)
+        finally:
+            service.stop()
+    reference, cascade = arms["primary-first"]["answers"], arms["cascade"]["answers"]
+    compared = [name for name, _ in named if reference[name]["model"] == "rampart-primary"
+                and reference[name]["degraded_reason"] is None and cascade[name]["top1"] is not None]
+    agreed = sum(reference[name]["top1"] == cascade[name]["top1"] for name in compared)
+    routes: dict[str, int] = {}
+    for name in compared:
+        routes[cascade[name]["route"]] = routes.get(cascade[name]["route"], 0) + 1
+    return {
+        "images": len(named), "compared": len(compared),
+        "agreement": round(agreed / len(compared), 4) if compared else None,
+        "fallback_share": round(routes.get("cascade_confident", 0) / len(compared), 4) if compared else None,
+        "routes_one_at_a_time": routes,
+        "knee_ratio": _ratio(arms["cascade"]["knee"]["throughput_rps"], arms["primary-first"]["knee"]["throughput_rps"]),
+        "full_knee_ratio": _ratio(arms["cascade"]["full_knee"]["throughput_rps"],
+                                  arms["primary-first"]["full_knee"]["throughput_rps"]),
+        "arms": arms,
+    }
 
 
 def overload(service: Service, bodies: list[bytes], capacity: float, factors: list[float], duration_s: float) -> dict:
@@ -212,6 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny steps: proves the command, measures little")
     parser.add_argument("--sweep-only", action="store_true", help="only Rampart's closed-loop sweep (closed_loop.json)")
     parser.add_argument("--sweep-client", choices=("aiohttp", "httpx"), default="aiohttp")
+    parser.add_argument("--cascade-only", action="store_true",
+                        help="only the cascade against primary-first scenario (cascade.json)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     sweep_connections, sweep_s = ((1, 4), 2.0) if args.quick else ((1, 4, 16, 64, 256), 10.0)
@@ -222,8 +329,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         batch_sizes, repeats = [1, 2, 4, 8, 16, 32, 64], 3
         clients, step_s, factors, overload_s = [1, 2, 4, 8, 16, 32, 64, 128, 256], 4.0, [1.0, 2.0, 5.0, 10.0], 8.0
+    if args.cascade_only:
+        report = {"machine": machine(), "slo_ms": SLO_MS, "command": "python -m bench.load_bench --cascade-only"
+                  + (" --quick" if args.quick else ""),
+                  **cascade_scenario(args.out, scenario_bodies(args.quick), clients, step_s)}
+        (args.out / "cascade.json").write_text(json.dumps(report, indent=2))
+        print(json.dumps({k: v for k, v in report.items() if k != "arms"}, indent=2))
+        return 0
 
-    bodies = load_bodies()
+    bodies, named = load_bodies(), scenario_bodies(args.quick)
+    primary_first_arm = None
     results: dict = {"machine": machine(), "slo_ms": SLO_MS, "command": "python -m bench.load_bench"
                      + (" --quick" if args.quick else "")}
     results["raw_ceiling_ips"] = raw_ceiling(batch_sizes, repeats)
@@ -238,10 +353,14 @@ def main(argv: list[str] | None = None) -> int:
             if name == "rampart":
                 results[name]["closed_loop_sweep"] = [r.summary() for r in sweep(
                     service.url, bodies, sweep_connections, sweep_s, SLO_MS, args.sweep_client)]
+                drain(service, bodies)
+                primary_first_arm = cascade_arm(service, named, clients, step_s)  # this Rampart is primary-first
         finally:
             service.stop()
         print(name, json.dumps(results[name]["ramp"]["knee"]), flush=True)
 
+    results["cascade"] = cascade_scenario(args.out, named, clients, step_s, {"primary-first": primary_first_arm})
+    print("cascade", json.dumps({k: v for k, v in results["cascade"].items() if k != "arms"}), flush=True)
     results["ratios"] = {}
     ours = results["rampart"]
     for name in ("naive", "plain_bentoml"):

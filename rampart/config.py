@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rampart.inputs.decode_cost import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_JPEG_SCANS
+from rampart.results import CONFIDENCE_KINDS
 
 ENV_PREFIX = "RAMPART_"
 
@@ -108,6 +109,17 @@ class Settings(BaseModel):
     breaker_failure_rate: float = Field(0.5, gt=0.0, le=1.0)
     breaker_open_ms: int = Field(5_000, gt=0)
     breaker_probes: int = Field(3, ge=1)
+
+    # Routing (rampart.pipeline, README "Cascade"). "primary-first": the primary answers, the fallback
+    # only when the primary cannot. "cascade": the fallback answers first and keeps its answer when its
+    # confidence (cascade_confidence, rampart.results.confidences) is at least cascade_threshold, else
+    # the primary is asked within the same deadline. Both defaults are the calibration's recommendation
+    # (python -m bench.cascade_eval, docs/bench/cascade_eval.json "recommendation", run of 2026-11-30):
+    # msp at 0.42 is the lowest threshold with >= 99% top-1 agreement with the primary alone on the
+    # 322 bundled photos, leaving 23.0% of them to the fallback (margin: 17.7% at 0.32).
+    routing: Literal["primary-first", "cascade"] = "primary-first"
+    cascade_confidence: Literal[CONFIDENCE_KINDS] = "msp"  # type: ignore[valid-type]  # "msp" or "margin"
+    cascade_threshold: float = Field(0.42, ge=0.0, le=1.0)
 
     # Content-hash LRU cache of answers, used when both models fail; 0 turns it off.
     cache_size: int = Field(1024, ge=0)

@@ -25,12 +25,27 @@ when neither has room, no place taken) and takes its place once the body is in
   ``no_model_available`` and ``needs_review`` true. If both gates shed the request
   and nothing is cached, the answer is 429 ``overloaded`` with ``Retry-After``.
 
-Every answer body is built by ``Classifier._body``.
+With ``routing="cascade"`` (README "Cascade") the order turns round: the fallback
+is asked first (admission too: a fallback ticket, else a primary one), and its
+answer is kept when its confidence (``cascade_confidence``, ``rampart.results.confidences``)
+is at least ``cascade_threshold`` (route ``cascade_confident``). Otherwise the same
+decoded image goes to the primary, with the same admission rules as the primary-first
+chain and within its ``Share.PRIMARY`` of the same deadline (``cascade_escalated``);
+when the primary cannot answer (gate sheds, breaker open, timeout, error) the
+fallback's answer is returned, degraded with the primary's reason
+(``cascade_not_escalated``). When the fallback cannot answer, the primary is asked
+as the first choice (``cascade_fallback_unavailable``: a full answer); if neither
+answers, the cache and static answer follow as above. The fallback asked first may
+use the whole ``Share.ALL``, so a fallback that hangs leaves the primary no time.
+
+Every answer body is built by ``Classifier._body``; model answers carry their
+``route`` (``ROUTES``), answers no model gave now carry ``route: null``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import io
 import logging
 import time
@@ -51,13 +66,20 @@ from rampart.inputs.decoding import DecodeLimits
 from rampart.errors import CorruptImage, DecodeTimeout, Overloaded
 from rampart.lane import Attempt, ModelEndpoint, ModelLane, RunnerAnswer
 from rampart.inputs.pool import BoundedPool, JobTimeout, WorkerDied
-from rampart.results import MAX_TOP_K, label_entries, top_classes
+from rampart.results import MAX_TOP_K, confidences, label_entries, top_classes
 from rampart.shadow import AnsweredBody
 
 #: ``RunnerAnswer`` and ``ModelEndpoint`` live in ``rampart.lane``; they are importable from here too.
-__all__ = ["RunnerAnswer", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "decode_pool"]
+__all__ = ["RunnerAnswer", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "decode_pool", "ROUTES"]
 
 logger = logging.getLogger("rampart.pipeline")
+
+#: The ``route`` of a model answer: ``primary_first`` (routing ``primary-first``, whichever model answered),
+#: else one of the cascade's routes (``rampart.telemetry.metrics.CASCADE_ROUTES``, see the module doc).
+ROUTE_PRIMARY_FIRST = "primary_first"
+ROUTES = (ROUTE_PRIMARY_FIRST, *metrics.CASCADE_ROUTES)
+#: Fallback confidences kept for the quantiles in ``/stats`` (``cascade``).
+CONFIDENCE_WINDOW = 1000
 
 
 def decode_limits(settings: Settings, buckets: list[Bucket]) -> DecodeLimits:
@@ -84,12 +106,13 @@ def decode_pool(settings: Settings) -> BoundedPool:
 
 @dataclass
 class Admission:
-    """The place a request took once its body was in (``Classifier.admit``): a ``primary`` ticket,
-    or else a ``fallback`` ticket plus the primary's refusal ``primary_refused``."""
+    """The place a request took once its body was in (``Classifier.admit``): a ticket with the routing's
+    first model (``primary``, or ``fallback`` in cascade mode), or else one with the other model plus the
+    first model's refusal ``refused``. A ticket reserved later, for the second model, is kept here too."""
 
     primary: Ticket | None = None
     fallback: Ticket | None = None
-    primary_refused: Attempt | None = None
+    refused: Attempt | None = None
 
 
 class Classifier:
@@ -116,6 +139,13 @@ class Classifier:
             fallback.name, settings.fallback_max_batch_size, settings.fallback_concurrent_batches,
             settings.fallback_queue_delay_ms, ThroughputMeter(settings.fallback_throughput_ips, tau_s),
         ), None, Share.ALL)
+        self.cascade = settings.routing == "cascade"
+        #: The lanes in the order the routing asks them (admission takes a place with the first that has room).
+        self.order = (self.fallback, self.primary) if self.cascade else (self.primary, self.fallback)
+        self.routes = dict.fromkeys(ROUTES, 0)  # model answers by route
+        self.recent_confidences: collections.deque[float] = collections.deque(maxlen=CONFIDENCE_WINDOW)
+        if self.cascade:
+            metrics.init_cascade_series()
         self.cache = ResultCache(settings.cache_size)
         self.limits = decode_limits(settings, [*primary.buckets.values(), *fallback.buckets.values()])
         self.plan = DecodePlan(self.limits, {"primary": primary.buckets, "fallback": fallback.buckets},
@@ -157,17 +187,19 @@ class Classifier:
         raise self._at_capacity()
 
     def admit(self, deadline: Deadline, high: bool) -> Admission:
-        """Take a place for a request whose body is in: a ticket for the primary, else one for the fallback.
+        """Take a place for a request whose body is in: a ticket for the routing's first model (``order``:
+        the primary, or the fallback in cascade mode), else one for the other.
 
         Raises ``Overloaded`` (429) when neither model can take it (``check_capacity``
         let it in, but the gates filled while its body arrived).
         """
-        primary = self.primary.reserve(high, deadline)
-        if isinstance(primary, Ticket):
-            return Admission(primary=primary)
-        fallback = self.fallback.reserve(high, deadline)
-        if isinstance(fallback, Ticket):
-            return Admission(fallback=fallback, primary_refused=primary)
+        first, second = self.order
+        taken = first.reserve(high, deadline)
+        if isinstance(taken, Ticket):
+            return Admission(**{first.role: taken})
+        other = second.reserve(high, deadline)
+        if isinstance(other, Ticket):
+            return Admission(**{second.role: other}, refused=taken)
         raise self._at_capacity()
 
     def _at_capacity(self) -> Overloaded:
@@ -234,7 +266,12 @@ class Classifier:
         return result
 
     def _observe(self, result: dict) -> None:
-        """Metrics of one answer: stage durations, degraded reason, top-1 class and confidence, input warnings."""
+        """Metrics of one answer: stage durations, degraded reason, route, top-1 class and confidence, input warnings."""
+        route = result["route"]
+        if route is not None:
+            self.routes[route] += 1
+            if route != ROUTE_PRIMARY_FIRST:
+                metrics.CASCADE_ROUTES_TOTAL.labels(route).inc()
         name = (result["model"] or {}).get("name")
         role = {self.primary.endpoint.name: "primary", self.fallback.endpoint.name: "fallback"}.get(name, "none")
         if result["degraded_reason"] == "cached_result":
@@ -257,21 +294,29 @@ class Classifier:
             return self._body("deadline_exceeded", start, _ms_since(start))
         decode_ms = _ms_since(start)
 
-        if admission.primary is not None:
-            first = await self.primary.attempt(admission.primary, prepared.inputs["primary"], deadline)
+        def answer(lane: ModelLane, attempt: Attempt, reason: str | None, route: str) -> dict:
+            return self._model_answer(lane, attempt.answer, prepared, top_k, decode_ms, start, reason, route)
+
+        first = await self._attempt(self.order[0], admission, prepared, deadline, high)
+        if self.cascade:
             if first.answer is not None:
-                return self._model_answer(self.primary, first.answer, prepared, top_k, decode_ms, start, None)
-            admission.fallback = self.fallback.reserve(high, deadline)
-            if isinstance(admission.fallback, Attempt):
-                second, admission.fallback = admission.fallback, None
-            else:
-                second = await self.fallback.attempt(admission.fallback, prepared.inputs["fallback"], deadline)
+                confidence = self.confidence(first.answer.probs)
+                if confidence >= self.settings.cascade_threshold:
+                    return answer(self.fallback, first, None, "cascade_confident")
+            second = await self._attempt(self.primary, admission, prepared, deadline, high)
+            if second.answer is not None:
+                route = "cascade_fallback_unavailable" if first.answer is None else "cascade_escalated"
+                return answer(self.primary, second, None, route)
+            if first.answer is not None:
+                metrics.FALLBACK.labels(second.reason).inc()
+                return answer(self.fallback, first, second.reason, "cascade_not_escalated")
         else:
-            first = admission.primary_refused
-            second = await self.fallback.attempt(admission.fallback, prepared.inputs["fallback"], deadline)
-        metrics.FALLBACK.labels(first.reason).inc()
-        if second.answer is not None:
-            return self._model_answer(self.fallback, second.answer, prepared, top_k, decode_ms, start, first.reason)
+            if first.answer is not None:
+                return answer(self.primary, first, None, ROUTE_PRIMARY_FIRST)
+            second = await self._attempt(self.fallback, admission, prepared, deadline, high)
+            metrics.FALLBACK.labels(first.reason).inc()
+            if second.answer is not None:
+                return answer(self.fallback, second, first.reason, ROUTE_PRIMARY_FIRST)
 
         logger.warning("no model answered: %s, then %s", first.reason, second.reason)
         cached = self.cache.get(prepared.key)
@@ -281,9 +326,33 @@ class Classifier:
             raise self._at_capacity()
         return self._body("no_model_available", start, decode_ms, prepared.warnings)
 
+    async def _attempt(self, lane: ModelLane, admission: Admission, prepared: Prepared, deadline: Deadline,
+                       high: bool) -> Attempt:
+        """``lane``'s try on the decoded request: with the ticket ``admission`` holds for it; else, for the
+        routing's second model, with a ticket reserved now (kept in ``admission`` until released); else
+        (the first model refused at admission) that refusal. Never raises: failures are ``Attempt``s."""
+        ticket = getattr(admission, lane.role)
+        if ticket is None:
+            if lane is self.order[0]:
+                return admission.refused
+            reserved = lane.reserve(high, deadline)
+            if isinstance(reserved, Attempt):
+                return reserved
+            ticket = reserved
+            setattr(admission, lane.role, ticket)
+        return await lane.attempt(ticket, prepared.inputs[lane.role], deadline)
+
+    def confidence(self, probs: np.ndarray) -> float:
+        """The fallback's confidence in its top-1 class (``cascade_confidence`` of ``rampart.results.confidences``)
+        for one float32 (C,) probability vector, in [0, 1]; observed in ``rampart_cascade_confidence`` and ``/stats``."""
+        value = float(confidences(probs[np.newaxis, :])[self.settings.cascade_confidence][0])
+        metrics.CASCADE_CONFIDENCE.observe(value)
+        self.recent_confidences.append(value)
+        return value
+
     def _model_answer(self, lane: ModelLane, answer: RunnerAnswer, prepared: Prepared, top_k: int, decode_ms: float,
-                      start: float, reason: str | None) -> dict:
-        """The body for ``lane``'s ``answer``, whose top classes are kept in the cache first.
+                      start: float, reason: str | None, route: str) -> dict:
+        """The body for ``lane``'s ``answer``, reached by ``route`` (``ROUTES``); its top classes are cached first.
 
         An ``AnsweredBody``: a plain ``dict`` to every reader, which also carries the
         decoded inputs and top classes, so shadow traffic can mirror the request.
@@ -291,14 +360,16 @@ class Classifier:
         indices, scores = top_classes(answer.probs, MAX_TOP_K)
         ranked = CachedAnswer(indices, scores, lane.role, prepared.inputs[lane.role][0].name)
         self.cache.put(prepared.key, ranked)
-        body = self._body(reason, start, decode_ms, prepared.warnings, ranked, top_k, answer.inference_ms)
+        body = self._body(reason, start, decode_ms, prepared.warnings, ranked, top_k, answer.inference_ms, route)
         return AnsweredBody(body, lane.role, prepared.inputs, lane.endpoint.labels, indices)  # for rampart.shadow
 
     def _body(self, reason: str | None, start: float, decode_ms: float, warnings: tuple[str, ...] = (),
-              ranked: CachedAnswer | None = None, top_k: int = 0, inference_ms: float | None = None) -> dict:
+              ranked: CachedAnswer | None = None, top_k: int = 0, inference_ms: float | None = None,
+              route: str | None = None) -> dict:
         """The response body for one image (README, "API"): the one place an answer is built.
 
-        ``reason`` is the ``degraded_reason`` (None: a full answer). ``ranked`` holds
+        ``reason`` is the ``degraded_reason`` (None: a full answer); ``route`` how a model
+        answer was reached (``ROUTES``; None: no model answered now). ``ranked`` holds
         the top classes and the role and bucket of the model that gave them (None:
         the static answer, no labels, ``needs_review``); ``top_k`` of them are listed.
         ``inference_ms`` is the model call's inference time (None: no model was
@@ -314,6 +385,7 @@ class Classifier:
             "model": None if endpoint is None else endpoint.identity,
             "degraded": reason is not None,
             "degraded_reason": reason,
+            "route": route,
             "needs_review": ranked is None,
             "bucket": None if ranked is None else ranked.bucket,
             "timings_ms": _timings(decode_ms, queue_ms, inference_ms or 0.0, total_ms),
@@ -321,15 +393,39 @@ class Classifier:
         }
 
     def state(self) -> dict:
-        """Admission, throughput and breaker state of both models, for ``GET /stats``."""
+        """Admission, throughput and breaker state of both models and the routing, for ``GET /stats``."""
         return {
             "primary": self.primary.state(),
             "fallback": self.fallback.state(),
+            "cascade": self.cascade_state(),
             "cache_entries": len(self.cache),
             "inflight_limit": self.inflight_limit(),
             "decode_pending": self.pool.pending,
             "decode_workers": self.pool.stats(),
         }
+
+    def cascade_state(self) -> dict:
+        """The routing for ``/stats``: ``routing``, and in cascade mode its ``confidence`` kind, ``threshold``,
+        model answers by ``routes``, ``escalation_rate`` (share of the fallback's answers below the threshold,
+        escalated or not; None before any), ``escalated_rate`` (share of those the primary answered) and quantiles
+        (p10, p50, p90) of the last ``CONFIDENCE_WINDOW`` fallback confidences."""
+        if not self.cascade:
+            return {"routing": self.settings.routing}
+        routes = {route: self.routes[route] for route in metrics.CASCADE_ROUTES}
+        asked = routes["cascade_confident"] + routes["cascade_escalated"] + routes["cascade_not_escalated"]
+        unsure = routes["cascade_escalated"] + routes["cascade_not_escalated"]
+        recent = np.asarray(self.recent_confidences, dtype=np.float32)
+        return {
+            "routing": self.settings.routing,
+            "confidence": self.settings.cascade_confidence,
+            "threshold": self.settings.cascade_threshold,
+            "routes": routes,
+            "escalation_rate": round(unsure / asked, 4) if asked else None,
+            "escalated_rate": round(routes["cascade_escalated"] / unsure, 4) if unsure else None,
+            "confidence_quantiles": None if recent.size == 0 else {
+                f"p{q}": round(float(np.quantile(recent, q / 100)), 4) for q in (10, 50, 90)},
+        }
+
 
 def _ms_since(start: float) -> float:
     return (time.perf_counter() - start) * 1000.0

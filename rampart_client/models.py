@@ -38,7 +38,10 @@ class Prediction(BaseModel):
     fallback (or the static default) answered, and ``degraded_reason`` says why;
     ``needs_review`` is true when no model could answer (``labels`` is then empty).
     ``input_warnings`` names benign damage the server repaired to decode the upload
-    (e.g. ``["jpeg_missing_eoi"]``); empty for an undamaged file.
+    (e.g. ``["jpeg_missing_eoi"]``); empty for an undamaged file. ``route`` says how a model
+    answer was reached (``primary_first``, or in cascade mode ``cascade_confident``,
+    ``cascade_escalated``, ``cascade_not_escalated``, ``cascade_fallback_unavailable``);
+    None when no model answered now, and from servers older than the field.
     """
 
     request_id: str
@@ -46,6 +49,7 @@ class Prediction(BaseModel):
     model: ModelInfo | None
     degraded: bool
     degraded_reason: str | None
+    route: str | None = None
     needs_review: bool = False
     bucket: str | None = None
     timings_ms: Timings

@@ -158,3 +158,27 @@ def init_shadow_series() -> None:
     for model in MODELS:
         SHADOW_TOP1_AGREED.labels(model)
         SHADOW_TOP5_OVERLAP.labels(model)
+
+
+# Cascade routing (rampart.pipeline, settings routing=cascade). ``route`` is one of CASCADE_ROUTES.
+CASCADE_ROUTES = ("cascade_confident", "cascade_escalated", "cascade_not_escalated", "cascade_fallback_unavailable")
+CASCADE_ROUTES_TOTAL = Counter(
+    "rampart_cascade_routes_total",
+    "Cascade answers by route: cascade_confident (the fallback was sure), cascade_escalated (the primary answered "
+    "after the fallback was unsure), cascade_not_escalated (unsure, but the primary could not answer: degraded), "
+    "cascade_fallback_unavailable (the fallback could not answer; the primary was asked first).",
+    ["route"],
+)
+CASCADE_CONFIDENCE = Histogram(
+    "rampart_cascade_confidence",
+    "Confidence (settings cascade_confidence: msp or margin) of every fallback answer in cascade mode, "
+    "compared with cascade_threshold.",
+    buckets=(0.05, 0.1, 0.2, 0.3, 0.35, 0.4, 0.42, 0.45, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99),
+)
+__all__ += ["CASCADE_ROUTES", "CASCADE_ROUTES_TOTAL", "CASCADE_CONFIDENCE", "init_cascade_series"]
+
+
+def init_cascade_series() -> None:
+    """Create the cascade's route series at 0 (called by the classifier when routing is ``cascade``)."""
+    for route in CASCADE_ROUTES:
+        CASCADE_ROUTES_TOTAL.labels(route)

@@ -37,4 +37,13 @@ def test_load_bench_quick_runs_end_to_end_with_both_baselines(tmp_path):
     sweep = results["rampart"]["closed_loop_sweep"]
     assert [r["connections"] for r in sweep] == [1, 4] and all(r["client_cpu_ms_per_request"] > 0 for r in sweep)
     assert set(results["ratios"]) == {"naive", "plain_bentoml"}
+    # Cascade against primary-first on the 24 quick evaluation images: every image compared, routes as asked.
+    cascade = results["cascade"]
+    assert cascade["images"] == cascade["compared"] == 24 and 0 <= cascade["agreement"] <= 1, cascade
+    assert sum(cascade["routes_one_at_a_time"].values()) == 24
+    assert set(cascade["routes_one_at_a_time"]) <= {"cascade_confident", "cascade_escalated"}
+    arms = cascade["arms"]
+    assert {answer["route"] for answer in arms["primary-first"]["answers"].values()} == {"primary_first"}
+    assert arms["cascade"]["stats_cascade"]["routing"] == "cascade" and arms["cascade"]["full_knee"]["clients"] in (1, 8)
+    assert cascade["knee_ratio"] is not None
     assert all(value is not None for ratios in results["ratios"].values() for value in ratios.values())
