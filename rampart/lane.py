@@ -133,7 +133,9 @@ class ModelLane:
         the breaker refuses calls (``circuit_open``: open, or half-open with every
         probe out), the gate sheds (``AdmissionGate.refusal``).
         """
-        budget_s = deadline.remaining_s(self.share)
+        return self._refusal(high, deadline.remaining_s(self.share))
+
+    def _refusal(self, high: bool, budget_s: float) -> Shed | None:
         if budget_s <= 0:
             return Shed("timeout", f"{self.role}: its share of the deadline is used up")
         if self.breaker is not None and not self.breaker.would_allow():
@@ -146,14 +148,20 @@ class ModelLane:
 
     def reserve(self, high: bool, deadline: Deadline) -> Ticket | Attempt:
         """A ticket in the gate (and, when the breaker is half-open, one of its probes), or the refusal
-        as a shed ``Attempt`` (``<role>_timeout`` / ``_circuit_open`` / ``_overloaded``), counted."""
-        shed = self.refusal(high, deadline)
+        as a shed ``Attempt`` (``<role>_timeout`` / ``_circuit_open`` / ``_overloaded``), counted.
+
+        The clock is read once: the check and the place see the same budget. (Read twice,
+        a request predicted to finish just in time was admitted by the check and then
+        refused by the gate a few microseconds later, and its ``Shed`` escaped as a 500.)
+        """
+        budget_s = deadline.remaining_s(self.share)
+        shed = self._refusal(high, budget_s)
         if shed is not None:
             return self._refused(shed)
         if self.breaker is not None:
             self.breaker.allow()  # True, as ``refusal`` just saw; takes a probe when half-open
         metrics.ADMITTED.labels(self.role).inc()
-        return self.gate.reserve(high, deadline.remaining_s(self.share))
+        return self.gate.reserve(high, budget_s)
 
     def _refused(self, shed: Shed) -> Attempt:
         """The shed ``Attempt`` for ``shed``, counted in ``rampart_rejected_total`` and logged at debug level."""

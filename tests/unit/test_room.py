@@ -116,3 +116,25 @@ def test_lane_release_gives_back_the_place_and_the_probe():
     assert not model.has_room(False, Deadline(1000))
     model.release(ticket)
     assert model.has_room(False, Deadline(1000)) and model.gate.queued == 0
+
+
+class ClockMovingDeadline(Deadline):
+    """A deadline whose remaining time falls by ``step_s`` at every reading, as a real clock does between calls."""
+
+    def __init__(self, first_s: float, step_s: float) -> None:
+        super().__init__(60_000)
+        self.readings = [first_s - i * step_s for i in range(100)]
+
+    def remaining_s(self, share: Share = Share.ALL) -> float:
+        return self.readings.pop(0)
+
+
+def test_a_request_predicted_to_finish_just_in_time_gets_a_ticket_or_a_refusal_never_a_raised_shed():
+    """The kind of the 500 seen at 5x overload: the check read the clock, then the gate read it again and shed."""
+    model = lane(None)
+    model.gate.dispatched = 1  # not idle: the prediction counts (2 images at 10 ms = 20 ms)
+    predicted = model.gate.predicted_s(False)
+    outcome = model.reserve(False, ClockMovingDeadline(predicted + 0.0005, 0.001))
+    assert isinstance(outcome, Ticket)
+    outcome = model.reserve(False, ClockMovingDeadline(predicted - 0.0005, 0.001))
+    assert isinstance(outcome, Attempt) and outcome.shed
