@@ -136,11 +136,15 @@ class ModelLane:
         return self._refusal(high, deadline.remaining_s(self.share))
 
     def _refusal(self, high: bool, budget_s: float) -> Shed | None:
+        return self._lane_refusal(budget_s) or self.gate.refusal(high, budget_s)
+
+    def _lane_refusal(self, budget_s: float) -> Shed | None:
+        """``timeout`` when the lane's share is used up, ``circuit_open`` when the breaker refuses calls, else None."""
         if budget_s <= 0:
             return Shed("timeout", f"{self.role}: its share of the deadline is used up")
         if self.breaker is not None and not self.breaker.would_allow():
             return Shed("circuit_open", f"{self.role}: the circuit breaker is {self.breaker.state}")
-        return self.gate.refusal(high, budget_s)
+        return None
 
     def has_room(self, high: bool, deadline: Deadline) -> bool:
         """Whether ``reserve(high, deadline)`` would give a ticket now, without taking one."""
@@ -150,18 +154,24 @@ class ModelLane:
         """A ticket in the gate (and, when the breaker is half-open, one of its probes), or the refusal
         as a shed ``Attempt`` (``<role>_timeout`` / ``_circuit_open`` / ``_overloaded``), counted.
 
-        The clock is read once: the check and the place see the same budget. (Read twice,
-        a request predicted to finish just in time was admitted by the check and then
-        refused by the gate a few microseconds later, and its ``Shed`` escaped as a 500.)
+        The gate decides once, in ``AdmissionGate.reserve``, whose ``Shed`` is caught here.
+        (Asking ``refusal`` first and then taking the place decided twice: the deadline's
+        clock and the throughput meter, which decays while the model is busy, moved in
+        between, and a request predicted to finish just in time passed the check and was
+        then shed by the gate, a ``Shed`` that escaped as a 500 at 5x overload.)
         """
         budget_s = deadline.remaining_s(self.share)
-        shed = self._refusal(high, budget_s)
+        shed = self._lane_refusal(budget_s)
         if shed is not None:
             return self._refused(shed)
+        try:
+            ticket = self.gate.reserve(high, budget_s)
+        except Shed as shed:
+            return self._refused(shed)
         if self.breaker is not None:
-            self.breaker.allow()  # True, as ``refusal`` just saw; takes a probe when half-open
+            self.breaker.allow()  # True, as ``would_allow`` just saw; takes a probe when half-open
         metrics.ADMITTED.labels(self.role).inc()
-        return self.gate.reserve(high, budget_s)
+        return ticket
 
     def _refused(self, shed: Shed) -> Attempt:
         """The shed ``Attempt`` for ``shed``, counted in ``rampart_rejected_total`` and logged at debug level."""

@@ -138,3 +138,26 @@ def test_a_request_predicted_to_finish_just_in_time_gets_a_ticket_or_a_refusal_n
     assert isinstance(outcome, Ticket)
     outcome = model.reserve(False, ClockMovingDeadline(predicted - 0.0005, 0.001))
     assert isinstance(outcome, Attempt) and outcome.shed
+
+
+class FallingMeter(ThroughputMeter):
+    """A meter whose estimate falls a little at every reading, as a busy model's does while nothing completes."""
+
+    def __init__(self, ips: float) -> None:
+        super().__init__()
+        self._now_ips = ips
+
+    @property
+    def ips(self) -> float:
+        self._now_ips *= 0.99
+        return self._now_ips
+
+
+def test_a_meter_falling_between_check_and_place_never_raises_out_of_reserve():
+    """The second 500 of the same kind: the gate's prediction moved between "is there room" and "take it"."""
+    model = lane(None)
+    model.gate.meter = FallingMeter(100.0)
+    model.gate.dispatched = 1
+    budget_s = model.gate.predicted_s(False) * 1.015  # fits at the next reading (x 1/0.99), not at the one after
+    outcome = model.reserve(False, ClockMovingDeadline(budget_s, 0.0))
+    assert isinstance(outcome, (Ticket, Attempt))
