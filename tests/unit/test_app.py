@@ -14,48 +14,20 @@ import io
 import json
 from dataclasses import dataclass
 
-import numpy as np
 import pytest
 from PIL import Image
 from starlette.testclient import TestClient
 
 from rampart.api.app import attach, create_app, route_error_answered, state_of
-from rampart.inputs.buckets import buckets_for_resolution
 from rampart.config import Settings
 from rampart.api.lifecycle import Lifecycle
-from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
+from rampart.pipeline import Classifier, decode_pool
 from rampart.api.routing import JSONRouteErrors
 from tests.support import encode, photo
+from tests.unit.standins import StandIn
 
-LABELS = [f"class {i}" for i in range(1000)]
 CAT = encode(photo("chelsea"))
 COFFEE = encode(photo("coffee"))
-
-
-class StandIn:
-    """A model that answers class ``best`` with probability 0.9, unless ``mode`` injects a fault:
-    ``error`` raises, ``hang`` sleeps past any deadline, ``expired`` returns a runner's TTL drop,
-    ``garbage`` returns probabilities that are not an array (Rampart's own bug: a 500)."""
-
-    def __init__(self, best: int) -> None:
-        self.best, self.mode, self.calls = best, "ok", 0
-
-    async def call(self, bucket_name: str, pixels: np.ndarray, deadline: float) -> RunnerAnswer:
-        self.calls += 1
-        if self.mode == "error":
-            raise RuntimeError("injected model failure")
-        if self.mode == "hang":
-            await asyncio.sleep(3600)
-        if self.mode == "expired":
-            return RunnerAnswer(probs=None, inference_ms=0.0, batch_size=1)
-        if self.mode == "garbage":
-            return RunnerAnswer(probs="not an array", inference_ms=1.0, batch_size=1)
-        probs = np.full(1000, 0.1 / 999, dtype=np.float32)
-        probs[self.best] = 0.9
-        return RunnerAnswer(probs=probs, inference_ms=1.0, batch_size=1)
-
-    def endpoint(self, name: str, resolution: int) -> ModelEndpoint:
-        return ModelEndpoint(name, "v1", LABELS, buckets_for_resolution(resolution), self.call)
 
 
 @dataclass

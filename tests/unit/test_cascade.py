@@ -18,33 +18,13 @@ from rampart.api.app import create_app, route_error_answered
 from rampart.api.lifecycle import Lifecycle
 from rampart.api.routing import JSONRouteErrors
 from rampart.config import Settings
-from rampart.inputs.buckets import buckets_for_resolution
 from rampart.overload.deadline import Deadline
-from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
+from rampart.pipeline import Classifier, decode_pool
 from tests.support import encode, photo
+from tests.unit.standins import StandIn
 
-LABELS = [f"class {i}" for i in range(1000)]
 CAT = encode(photo("chelsea"))
 PRIMARY_CLASS, FALLBACK_CLASS = 281, 285
-
-
-class StandIn:
-    """A model answering class ``best`` with probability ``score`` (and ``runner_up`` for class 0), or a fault:
-    ``mode`` ``error`` raises, ``hang`` sleeps past any deadline."""
-
-    def __init__(self, name: str, resolution: int, best: int, score: float = 0.9, runner_up: float = 0.0) -> None:
-        self.best, self.score, self.runner_up, self.mode, self.calls = best, score, runner_up, "ok", 0
-        self.endpoint = ModelEndpoint(name, "v1", LABELS, buckets_for_resolution(resolution), self.call)
-
-    async def call(self, bucket_name: str, pixels: np.ndarray, deadline: float) -> RunnerAnswer:
-        self.calls += 1
-        if self.mode == "error":
-            raise RuntimeError("injected model failure")
-        if self.mode == "hang":
-            await asyncio.sleep(3600)
-        probs = np.full(1000, (1.0 - self.score - self.runner_up) / 998, dtype=np.float32)
-        probs[self.best], probs[0] = self.score, self.runner_up
-        return RunnerAnswer(probs=probs, inference_ms=1.0, batch_size=1)
 
 
 class Cascade:
@@ -52,9 +32,10 @@ class Cascade:
 
     def __init__(self, fallback_score: float = 0.9, runner_up: float = 0.0, **settings) -> None:
         self.settings = Settings(decode_mode="threads", decode_workers=2, **{"routing": "cascade", **settings})
-        self.primary = StandIn("rampart-primary", 260, PRIMARY_CLASS)
-        self.fallback = StandIn("rampart-fallback", 224, FALLBACK_CLASS, fallback_score, runner_up)
-        self.classifier = Classifier(self.settings, self.primary.endpoint, self.fallback.endpoint,
+        self.primary = StandIn(PRIMARY_CLASS)
+        self.fallback = StandIn(FALLBACK_CLASS, fallback_score, runner_up)
+        self.classifier = Classifier(self.settings, self.primary.endpoint("rampart-primary", 260),
+                                     self.fallback.endpoint("rampart-fallback", 224),
                                      decode_pool(self.settings))
 
     def classify(self, deadline_ms: float = 5_000) -> dict:
@@ -152,9 +133,10 @@ def test_stats_and_metrics_count_routes_escalations_and_confidences():
 
 def test_primary_first_is_unchanged_and_says_its_route_over_http():
     settings = Settings(decode_mode="threads", decode_workers=2)
-    primary = StandIn("rampart-primary", 260, PRIMARY_CLASS)
-    fallback = StandIn("rampart-fallback", 224, FALLBACK_CLASS)
-    classifier = Classifier(settings, primary.endpoint, fallback.endpoint, decode_pool(settings))
+    primary = StandIn(PRIMARY_CLASS)
+    fallback = StandIn(FALLBACK_CLASS)
+    classifier = Classifier(settings, primary.endpoint("rampart-primary", 260), fallback.endpoint("rampart-fallback", 224),
+                            decode_pool(settings))
     lifecycle = Lifecycle()
     lifecycle.mark_ready()
     app = create_app(settings, classifier=classifier, lifecycle=lifecycle)
