@@ -136,7 +136,7 @@ def middleware_config() -> dict:
     return config
 
 
-@bentoml.service(name=ENTRY_SERVICE_NAME, workers=1, traffic={"timeout": settings.max_deadline_ms / 1000 + 10},
+@bentoml.service(name=ENTRY_SERVICE_NAME, workers=settings.api_workers, traffic={"timeout": settings.max_deadline_ms / 1000 + 10},
                  backlog=accept_backlog(), **middleware_config())
 @bentoml.asgi_app(http_app, path="/")
 class Rampart:

@@ -46,6 +46,10 @@ class Settings(BaseModel):
     # 1.14 ~ 1/0.875, the crop ratio of the EfficientNet-Lite reference evaluation.
     crop_margin: float = Field(1.14, ge=1.0, le=2.0)
 
+    # Processes of the entry (API) service that accept HTTP requests (`bentoml.service(workers=...)`).
+    # How admission shares the runners between them: README "Overload control".
+    api_workers: int = Field(1, ge=1)
+
     # Decode pool: workers and how many uploads may wait for one. Waiting uploads hold only
     # their compressed bytes (already read); decoded pixels exist only in workers.
     # "processes": each worker is a process, killed and replaced when a decode overruns
