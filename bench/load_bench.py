@@ -20,9 +20,13 @@ each service runs in its own subprocess on 127.0.0.1.
    ``closed_loop.json``; ``--sweep-client httpx`` drives it with httpx instead.
 5. **Baselines** with the same model and images: (a) ``naive``, the seed's FastAPI
    service (one asyncio queue, 5 ms window, max batch 8, no admission control);
-   (b) ``plain_bentoml``, one batchable BentoML API with default settings. Each gets
-   the ramp and 5× its own knee; the ratios Rampart/baseline are reported for knee
-   throughput, goodput at 5× and P99 at 5×.
+   (b) ``plain_bentoml``, one batchable BentoML API with default settings; (c) ``triton``,
+   NVIDIA Triton through PyTriton with dynamic batching (``bench.baselines.triton_pytriton``),
+   an optional *peer*: it runs when ``make bench-peers`` has installed it in ``.venv-peers``
+   and is otherwise recorded as ``{"skipped": reason}``. Each gets the ramp and 5× its own
+   knee; the ratios Rampart/baseline are reported for knee throughput, goodput at 5× and
+   P99 at 5×. ``--peers-only`` runs just the peers and the naive baseline as the same-run
+   reference (about 3 minutes) and writes ``peers.json`` with the ratios peer/naive.
 
 6. **Cascade against primary-first** (``cascade_scenario``), on the calibration's
    evaluation set (``bench.cascade_eval.evaluation_set``, each image re-encoded as JPEG
@@ -54,11 +58,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from bench.loadgen import closed_loop, load_bodies, open_loop, run_sync, summarize, sweep
+from bench.baselines import triton_pytriton
+from bench.loadgen import closed_loop, load_bodies, oip_request, open_loop, run_sync, summarize, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
 SLO_MS = 1000.0
 BIN = Path(sys.executable).parent
+#: Optional baselines in a venv of their own (``make bench-peers``), each with its module's ``skip_reason``.
+PEERS = {"triton": triton_pytriton.skip_reason}
 
 
 def private_bentoml_home(directory: Path) -> dict[str, str]:
@@ -102,6 +109,7 @@ class Service:
                                        "--host", "127.0.0.1", "--port", str(port)],
         "naive": lambda port: [str(BIN / "uvicorn"), "bench.baselines.naive_fastapi:app", "--host", "127.0.0.1",
                                "--port", str(port), "--log-level", "warning"],
+        "triton": triton_pytriton.command,
     }
 
     def __init__(self, name: str, log_dir: Path, env: dict[str, str] | None = None, label: str | None = None) -> None:
@@ -109,8 +117,9 @@ class Service:
         ``log_dir/<label>.log`` (``label`` defaults to ``name``; two instances of one service need two)."""
         self.name = name
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/classify"
+        self.url = triton_pytriton.infer_url(self.port) if name == "triton" else f"http://127.0.0.1:{self.port}/classify"
         self.form_field = "image" if name == "plain_bentoml" else None
+        self.oip = name == "triton"  # an Open Inference Protocol /infer URL (bench.loadgen.oip_request)
         label = label or name
         self.log = open(log_dir / f"{label}.log", "wb")
         self.process = subprocess.Popen(self.COMMANDS[name](self.port), cwd=ROOT, stdout=self.log,
@@ -126,10 +135,13 @@ class Service:
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}")
             try:
-                if self.name != "naive" and httpx.get(f"{base}/readyz", timeout=5).status_code != 200:
+                if self.name in ("rampart", "plain_bentoml") and httpx.get(f"{base}/readyz", timeout=5).status_code != 200:
                     time.sleep(1)
                     continue
-                if self.form_field:
+                if self.oip:
+                    body, headers = oip_request(bodies[0])
+                    response = httpx.post(self.url, content=body, headers=headers, timeout=30)
+                elif self.form_field:
                     response = httpx.post(self.url, files={self.form_field: ("a.jpg", bodies[0], "image/jpeg")}, timeout=30)
                 else:
                     response = httpx.post(self.url, content=bodies[0], timeout=30)
@@ -174,7 +186,7 @@ def ramp(service: Service, bodies: list[bytes], clients: list[int], step_s: floa
     steps = []
     for n in clients:
         samples = run_sync(closed_loop(service.url, bodies, n, step_s, deadline_ms=SLO_MS,
-                                          form_field=service.form_field))
+                                          form_field=service.form_field, oip=service.oip))
         summary = summarize(samples, step_s)
         steps.append({"clients": n, **{k: summary[k] for k in ("throughput_rps", "p50_ms", "p90_ms", "p99_ms",
                                                                 "degraded_rate")},
@@ -281,7 +293,7 @@ def overload(service: Service, bodies: list[bytes], capacity: float, factors: li
     runs = {}
     for factor in factors:
         samples = run_sync(open_loop(service.url, bodies, factor * capacity, duration_s, deadline_ms=SLO_MS,
-                                        seed=int(factor * 10), form_field=service.form_field))
+                                        seed=int(factor * 10), form_field=service.form_field, oip=service.oip))
         summary = summarize(samples, duration_s)
         served = [s for s in samples if s.status == 200 and s.model is not None and s.latency_ms <= s.deadline_ms]
         runs[str(factor)] = {"offered_rps": round(factor * capacity, 1), **summary,
@@ -294,7 +306,7 @@ def drain(service: Service, bodies: list[bytes], timeout_s: float = 120) -> None
     """Wait until the service answers a request within the SLO again (a baseline may still be queueing)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        samples = run_sync(closed_loop(service.url, bodies, 1, 0.5, form_field=service.form_field))
+        samples = run_sync(closed_loop(service.url, bodies, 1, 0.5, form_field=service.form_field, oip=service.oip))
         if samples and all(s.status == 200 and s.latency_ms <= SLO_MS for s in samples):
             return
         time.sleep(1)
@@ -319,6 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-client", choices=("aiohttp", "httpx"), default="aiohttp")
     parser.add_argument("--cascade-only", action="store_true",
                         help="only the cascade against primary-first scenario (cascade.json)")
+    parser.add_argument("--peers-only", action="store_true",
+                        help="only the peer baselines and the naive one as reference (peers.json)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     sweep_connections, sweep_s = ((1, 4), 2.0) if args.quick else ((1, 4, 16, 64, 256), 10.0)
@@ -337,12 +351,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: v for k, v in report.items() if k != "arms"}, indent=2))
         return 0
 
-    bodies, named = load_bodies(), scenario_bodies(args.quick)
+    bodies, named = load_bodies(), [] if args.peers_only else scenario_bodies(args.quick)
     primary_first_arm = None
     results: dict = {"machine": machine(), "slo_ms": SLO_MS, "command": "python -m bench.load_bench"
-                     + (" --quick" if args.quick else "")}
-    results["raw_ceiling_ips"] = raw_ceiling(batch_sizes, repeats)
-    for name in ("rampart", "naive", "plain_bentoml"):
+                     + (" --quick" if args.quick else "") + (" --peers-only" if args.peers_only else "")}
+    if not args.peers_only:
+        results["raw_ceiling_ips"] = raw_ceiling(batch_sizes, repeats)
+    for name in ("naive", *PEERS) if args.peers_only else ("rampart", "naive", "plain_bentoml", *PEERS):
+        if name in PEERS and (reason := PEERS[name]()):
+            results[name] = {"skipped": reason}
+            print(name, "skipped:", reason, flush=True)
+            continue
         service = Service(name, args.out)
         try:
             service.wait_ready(bodies)
@@ -358,18 +377,18 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             service.stop()
         print(name, json.dumps(results[name]["ramp"]["knee"]), flush=True)
+    if args.peers_only:
+        return peers_report(results, args.out)
 
     results["cascade"] = cascade_scenario(args.out, named, clients, step_s, {"primary-first": primary_first_arm})
     print("cascade", json.dumps({k: v for k, v in results["cascade"].items() if k != "arms"}), flush=True)
     results["ratios"] = {}
     ours = results["rampart"]
-    for name in ("naive", "plain_bentoml"):
+    for name in ("naive", "plain_bentoml", *PEERS):
         theirs = results[name]
-        results["ratios"][name] = {
-            "knee_throughput": _ratio(ours["ramp"]["knee"]["throughput_rps"], theirs["ramp"]["knee"]["throughput_rps"]),
-            "goodput_at_5x": _ratio(ours["overload"]["5.0"]["goodput_rps"], theirs["overload"]["5.0"]["goodput_rps"]),
-            "p99_at_5x": _ratio(ours["overload"]["5.0"]["p99_accepted_ms"], theirs["overload"]["5.0"]["p99_accepted_ms"]),
-        }
+        if "skipped" in theirs:
+            continue
+        results["ratios"][name] = service_ratios(ours, theirs)
     (args.out / "load.json").write_text(json.dumps(results, indent=2))
     plot(results, args.out / "load.png")
     print(json.dumps(results["ratios"], indent=2))
@@ -399,6 +418,26 @@ def closed_loop_sweep(out: Path, connections: tuple[int, ...], round_s: float, c
     return 0
 
 
+def peers_report(results: dict, out: Path) -> int:
+    """``--peers-only``: write ``peers.json`` (``results`` plus, per peer that ran, its ratios to the
+    naive baseline of the same run: knee throughput, goodput at 5×, P99 at 5×) and print the ratios."""
+    results["ratios_to_naive"] = {name: service_ratios(results[name], results["naive"])
+                                  for name in PEERS if "skipped" not in results[name]}
+    (out / "peers.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results["ratios_to_naive"], indent=2))
+    return 0
+
+
+def service_ratios(ours: dict, theirs: dict) -> dict:
+    """Ratios ``ours``/``theirs`` of two services' results (``ramp`` and ``overload`` with a 5× run):
+    ``knee_throughput``, ``goodput_at_5x``, ``p99_at_5x`` (P99 of accepted requests); None where undefined."""
+    return {
+        "knee_throughput": _ratio(ours["ramp"]["knee"]["throughput_rps"], theirs["ramp"]["knee"]["throughput_rps"]),
+        "goodput_at_5x": _ratio(ours["overload"]["5.0"]["goodput_rps"], theirs["overload"]["5.0"]["goodput_rps"]),
+        "p99_at_5x": _ratio(ours["overload"]["5.0"]["p99_accepted_ms"], theirs["overload"]["5.0"]["p99_accepted_ms"]),
+    }
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 2) if a is not None and b else None
 
@@ -409,7 +448,7 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    services = ("rampart", "naive", "plain_bentoml")
+    services = ("rampart", "naive", "plain_bentoml", *(name for name in PEERS if "skipped" not in results[name]))
     fig, axes = plt.subplots(2, 2, figsize=(12, 9))
     ax = axes[0][0]
     for name, curve in results["raw_ceiling_ips"].items():

@@ -16,6 +16,10 @@
 - ``summarize(samples, ...)``: throughput, P50/P90/P99, goodput (answers within
   their deadline), shed, degraded and late counts.
 
+``oip=True`` sends each image the Open Inference Protocol way (KServe v2, Triton's HTTP
+API) to a model's ``/v2/models/<name>/infer`` URL instead: ``oip_request`` builds the
+body, ``oip_answer`` reads the answer into the ``/classify`` shape the samples use.
+
 ``load_bodies()`` gives JPEG bodies of real photos (scikit-image, scikit-learn) in
 all three aspect classes (square, landscape, portrait), at most 480 px on the
 long side so that client-side CPU stays small next to the server's.
@@ -34,6 +38,7 @@ import concurrent.futures
 import contextlib
 import gc
 import io
+import json
 import os
 import random
 import time
@@ -43,8 +48,10 @@ import aiohttp
 import httpx
 import numpy as np
 
-__all__ = ["Sample", "Round", "load_bodies", "unique", "closed_loop", "closed_loop_round", "sweep", "open_loop", "burst",
-           "summarize", "as_dicts", "run_sync", "no_gc_pauses"]
+from rampart.api.oip import CLASS_INDICES, HEADER_LENGTH, IMAGE, LABELS, OUTPUT_DATATYPES, SCORES, serialize_bytes
+
+__all__ = ["Sample", "Round", "load_bodies", "unique", "oip_request", "oip_answer", "closed_loop", "closed_loop_round",
+           "sweep", "open_loop", "burst", "summarize", "as_dicts", "run_sync", "no_gc_pauses"]
 
 
 @dataclass(frozen=True)
@@ -152,12 +159,57 @@ def unique(body: bytes) -> bytes:
     return body + os.urandom(8)
 
 
+def oip_request(image: bytes) -> tuple[bytes, dict[str, str]]:
+    """An Open Inference Protocol (KServe v2) ``/infer`` body for one encoded image, and its headers.
+
+    The JSON header asks for input ``IMAGE``, BYTES, shape ``[1, 1]``, its data in the
+    binary tensor data extension (Triton's framing, ``rampart.api.oip.serialize_bytes``:
+    a 4-byte little-endian length, then the image's bytes, unencoded), and for the outputs
+    ``LABELS``, ``SCORES`` and ``CLASS_INDICES`` as JSON. Headers: ``Inference-Header-Content-Length``
+    (the JSON header's length), ``Content-Type: application/octet-stream``, and
+    ``Accept-Encoding: identity``, since Triton would gzip its answer for aiohttp's default
+    ``gzip, deflate``, work no other service under test does.
+    """
+    tensor = serialize_bytes([image])
+    header = json.dumps({
+        "inputs": [{"name": IMAGE, "datatype": "BYTES", "shape": [1, 1],
+                    "parameters": {"binary_data_size": len(tensor)}}],
+        "outputs": [{"name": name, "parameters": {"binary_data": False}} for name in OUTPUT_DATATYPES],
+    }, separators=(",", ":")).encode()
+    return header + tensor, {HEADER_LENGTH: str(len(header)), "Content-Type": "application/octet-stream",
+                             "Accept-Encoding": "identity"}
+
+
+def oip_answer(payload: dict) -> dict:
+    """The ``/classify`` shape (``labels``, ``model``, ``degraded_reason``) of an OIP ``/infer`` answer
+    for one image with JSON outputs ``LABELS``, ``SCORES`` and ``CLASS_INDICES`` (shape ``[1, k]``).
+
+    ``labels``: ``[{"index": int, "label": str, "score": float}, ...]`` in the answer's order,
+    without padding entries (index -1); ``model``: ``{"name": ...}`` from the response
+    parameter ``models`` (Rampart's ``/v2``) or else ``model_name`` (Triton), None when
+    that is empty or no label came back; ``degraded_reason``: the response parameter of
+    that name, None when absent or empty. Raises ``KeyError`` or ``ValueError`` for an
+    answer without those outputs.
+    """
+    data = {output["name"]: output["data"] for output in payload["outputs"]}
+    labels = [{"index": int(index), "label": label, "score": float(score)}
+              for index, label, score in zip(data[CLASS_INDICES], data[LABELS], data[SCORES], strict=True)
+              if index >= 0]
+    parameters = payload.get("parameters") or {}
+    model = parameters.get("models", payload.get("model_name"))
+    return {"labels": labels, "model": {"name": model} if model and labels else None,
+            "degraded_reason": parameters.get("degraded_reason") or None}
+
+
 async def _send(client: aiohttp.ClientSession, url: str, body: bytes, deadline_ms: float, high: bool,
-                origin: float, form_field: str | None = None) -> Sample:
+                origin: float, form_field: str | None = None, oip: bool = False) -> Sample:
     headers = {"X-Deadline-Ms": str(int(deadline_ms))}
     if high:
         headers["X-Priority"] = "high"
-    if form_field:  # multipart file field, for services that take uploads that way
+    if oip:  # an Open Inference Protocol model's /infer URL (Triton)
+        data, oip_headers = oip_request(body)
+        headers.update(oip_headers)
+    elif form_field:  # multipart file field, for services that take uploads that way
         data = aiohttp.FormData()
         data.add_field(form_field, body, filename="image.jpg", content_type="image/jpeg")
     else:
@@ -170,6 +222,11 @@ async def _send(client: aiohttp.ClientSession, url: str, body: bytes, deadline_m
             payload = await response.json() if response.content_type == "application/json" else {}
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
         status, payload, retry_after = 0, {}, None  # connection refused or reset, or the client gave up: failed
+    if oip and status == 200:
+        try:
+            payload = oip_answer(payload)
+        except (KeyError, TypeError, ValueError):
+            payload = {}  # a 200 without the outputs: answered, but by no model
     if isinstance(payload, list):  # a batchable BentoML API answers a one-item list
         payload = payload[0] if payload else {}
     latency_ms = (time.perf_counter() - sent) * 1000.0
@@ -217,9 +274,9 @@ async def _send_httpx(client: httpx.AsyncClient, url: str, body: bytes, deadline
 
 @_without_gc_pauses
 async def closed_loop(url: str, bodies: list[bytes], clients: int, duration_s: float,
-                      deadline_ms: float = 10_000, form_field: str | None = None) -> list[Sample]:
+                      deadline_ms: float = 10_000, form_field: str | None = None, oip: bool = False) -> list[Sample]:
     """``clients`` concurrent senders (aiohttp) for ``duration_s`` seconds; returns every sample."""
-    return (await _closed_loop(url, bodies, clients, duration_s, deadline_ms, form_field, "aiohttp")).samples
+    return (await _closed_loop(url, bodies, clients, duration_s, deadline_ms, form_field, "aiohttp", oip)).samples
 
 
 @_without_gc_pauses
@@ -235,7 +292,7 @@ async def closed_loop_round(url: str, bodies: list[bytes], connections: int, dur
 
 
 async def _closed_loop(url: str, bodies: list[bytes], clients: int, duration_s: float, deadline_ms: float,
-                       form_field: str | None, client_kind: str) -> Round:
+                       form_field: str | None, client_kind: str, oip: bool = False) -> Round:
     samples: list[Sample] = []
     origin = stop = 0.0  # set once the connections are open
 
@@ -263,7 +320,7 @@ async def _closed_loop(url: str, bodies: list[bytes], clients: int, duration_s: 
         await _open_connections(session, url, clients)
 
         def send(body):
-            return _send(session, url, body, deadline_ms, False, origin, form_field)
+            return _send(session, url, body, deadline_ms, False, origin, form_field, oip)
 
         close = session.close
     try:
@@ -291,7 +348,8 @@ def sweep(url: str, bodies: list[bytes], connections: tuple[int, ...] = (1, 4, 1
 
 @_without_gc_pauses
 async def open_loop(url: str, bodies: list[bytes], rate: float, duration_s: float, deadline_ms: float = 1000,
-                    high_fraction: float = 0.0, seed: int = 0, form_field: str | None = None) -> list[Sample]:
+                    high_fraction: float = 0.0, seed: int = 0, form_field: str | None = None,
+                    oip: bool = False) -> list[Sample]:
     """Poisson arrivals at ``rate`` requests/s for ``duration_s`` s; ``high_fraction`` sent with ``X-Priority: high``."""
     rng = random.Random(seed)
     tasks = []
@@ -306,7 +364,7 @@ async def open_loop(url: str, bodies: list[bytes], rate: float, duration_s: floa
                 await asyncio.sleep(delay)
             high = rng.random() < high_fraction
             body = unique(bodies[i % len(bodies)])
-            tasks.append(asyncio.create_task(_send(client, url, body, deadline_ms, high, origin, form_field)))
+            tasks.append(asyncio.create_task(_send(client, url, body, deadline_ms, high, origin, form_field, oip)))
             i += 1
             next_at += rng.expovariate(rate)
         return list(await asyncio.gather(*tasks))
