@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PORT ?= 3000
 
-.PHONY: setup setup-dev models serve test test-unit bench build clean nginx serve-cluster stop-cluster
+.PHONY: setup setup-dev setup-peers models serve test test-unit bench bench-peers build clean nginx serve-cluster stop-cluster
 
 # Serving (requirements.txt) and model import (requirements-models.txt). Each stamp is
 # touched after its install, so a second run installs nothing until a requirements file changes.
@@ -59,6 +59,30 @@ bench: models setup-dev
 	$(PY) -m bench.load_bench
 	$(PY) -m bench.decode_bench
 
+# Peer servers for the load benchmark (Triton via PyTriton) in their own venv: PyTriton needs numpy < 2.
+# Installed first on their own (requirements-peers.txt, all pinned in constraints-peers.txt), then a .pth
+# file appends the main venv's site-packages to the peers venv's path: torch, timm, BentoML and Pillow
+# come from there, not from a second multi-GB download. The .pth is removed while pip runs, so that pip
+# never sees (or touches) the main venv's packages.
+PEERS_VENV ?= .venv-peers
+PEERS_PY := $(PEERS_VENV)/bin/python
+SITE_PACKAGES := import sysconfig; print(sysconfig.get_paths()['purelib'])
+
+setup-peers: $(PEERS_VENV)/.installed
+
+$(PEERS_VENV)/.installed: $(VENV)/.installed requirements-peers.txt constraints-peers.txt
+	$(PYTHON) -m venv $(PEERS_VENV)
+	rm -f $(PEERS_VENV)/lib/python*/site-packages/_rampart_main_venv.pth
+	$(PEERS_PY) -m pip install -q --upgrade pip
+	$(PEERS_PY) -m pip install -q -r requirements-peers.txt -c constraints-peers.txt
+	$(PY) -c "$(SITE_PACKAGES)" > "$$($(PEERS_PY) -c "$(SITE_PACKAGES)")/_rampart_main_venv.pth"
+	touch $@
+
+# The peers against the naive baseline of the same run (about 3 minutes; peers.json). `make bench`
+# includes them too once they are installed, and skips them with a message otherwise.
+bench-peers: models setup-dev setup-peers
+	$(PY) -m bench.load_bench --peers-only
+
 # The bento's version is bentofile.yaml's labels.version: the image tag deploy/k8s runs.
 BENTO_VERSION = $(shell sed -n 's/^  version: "\(.*\)"/\1/p' bentofile.yaml)
 
@@ -66,4 +90,4 @@ build: models
 	$(VENV)/bin/bentoml build --version $(BENTO_VERSION)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .hypothesis
