@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.capacity is not None:
         capacity, source = args.capacity, "given (--capacity)"
+        if report.get("capacity_rps") == capacity:  # the arms before measured it (--merge)
+            source = report.get("capacity_source", source)
     else:
         clients, step_s = ([4], 2.0) if args.quick else (CAPACITY_CLIENTS, 4.0)
         capacity_ramp = measure_capacity(args.out, bodies, clients, step_s)
@@ -236,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     if report.get("capacity_rps") not in (None, capacity):
         print(f"note: arms from another run used capacity {report['capacity_rps']} req/s", flush=True)
     report.update({"machine": machine(), "capacity_rps": capacity, "capacity_source": source, "factor": FACTOR,
-                   "deadline_ms": DEADLINE_MS, "client_patience_s": CLIENT_PATIENCE_S, "duration_s": duration_s,
-                   "command": "python -m bench.ablation " + " ".join(argv if argv is not None else sys.argv[1:])})
+                   "deadline_ms": DEADLINE_MS, "client_patience_s": CLIENT_PATIENCE_S, "duration_s": duration_s})
+    report.setdefault("commands", []).append(
+        "python -m bench.ablation " + " ".join(argv if argv is not None else sys.argv[1:]))
     for key in args.arms:
         result = run_arm(ARMS[key], args.out, bodies, FACTOR * capacity, duration_s)
         result["capacity_rps"] = capacity
