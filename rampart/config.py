@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rampart.inputs.decode_cost import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_JPEG_SCANS
+from rampart.overload.admission import ADMISSION_MODES
 from rampart.results import CONFIDENCE_KINDS
 
 ENV_PREFIX = "RAMPART_"
@@ -132,7 +133,7 @@ class Settings(BaseModel):
     # lateness; "queue-bound" only on the queue bound; "off" never (unbounded model queues and decode queue, no
     # in-flight bound). honour_deadlines false: the server ignores the client's deadline and gives every request
     # max_deadline_ms (no early stop, no TTL drop in practice).
-    admission: Literal["full", "queue-bound", "off"] = "full"
+    admission: Literal[ADMISSION_MODES] = "full"  # type: ignore[valid-type]  # "full", "queue-bound" or "off"
     honour_deadlines: bool = True
 
     # Content-hash LRU cache of answers, used when both models fail; 0 turns it off.
