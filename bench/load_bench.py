@@ -38,6 +38,10 @@ each service runs in its own subprocess on 127.0.0.1.
    image (both servers asked one image at a time with a 10 s deadline, so nothing is
    degraded). ``--cascade-only`` runs just this scenario and writes ``cascade.json``.
 
+7. **Ablation** (``bench.ablation``, not part of the full run): one open-loop overload at 5x
+   capacity, repeated with one overload mechanism added per arm; ``--ablation-only`` runs it
+   and writes ``ablation.json`` and ``ablation.png``.
+
 ``--quick`` shrinks every step (the test suite uses it to prove the command works).
 """
 
@@ -333,8 +337,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the cascade against primary-first scenario (cascade.json)")
     parser.add_argument("--peers-only", action="store_true",
                         help="only the peer baselines and the naive one as reference (peers.json)")
+    parser.add_argument("--ablation-only", action="store_true",
+                        help="only the ablation of bench.ablation (ablation.json), all five arms")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.ablation_only:
+        from bench import ablation
+
+        return ablation.main(["--out", str(args.out), *(["--quick"] if args.quick else [])])
     sweep_connections, sweep_s = ((1, 4), 2.0) if args.quick else ((1, 4, 16, 64, 256), 10.0)
     if args.sweep_only:
         return closed_loop_sweep(args.out, sweep_connections, sweep_s, args.sweep_client)

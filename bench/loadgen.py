@@ -133,10 +133,10 @@ RETRY_AFTER_S = 1.0
 CLIENT_TIMEOUT_S = 30.0
 
 
-def _client(max_connections: int) -> aiohttp.ClientSession:
+def _client(max_connections: int, timeout_s: float = CLIENT_TIMEOUT_S) -> aiohttp.ClientSession:
     return aiohttp.ClientSession(
         connector=aiohttp.TCPConnector(limit=max_connections, keepalive_timeout=300),
-        timeout=aiohttp.ClientTimeout(total=CLIENT_TIMEOUT_S),
+        timeout=aiohttp.ClientTimeout(total=timeout_s),
     )
 
 
@@ -349,12 +349,18 @@ def sweep(url: str, bodies: list[bytes], connections: tuple[int, ...] = (1, 4, 1
 @_without_gc_pauses
 async def open_loop(url: str, bodies: list[bytes], rate: float, duration_s: float, deadline_ms: float = 1000,
                     high_fraction: float = 0.0, seed: int = 0, form_field: str | None = None,
-                    oip: bool = False) -> list[Sample]:
-    """Poisson arrivals at ``rate`` requests/s for ``duration_s`` s; ``high_fraction`` sent with ``X-Priority: high``."""
+                    oip: bool = False, client_timeout_s: float = CLIENT_TIMEOUT_S,
+                    connections: int | None = None) -> list[Sample]:
+    """Poisson arrivals at ``rate`` requests/s for ``duration_s`` s; ``high_fraction`` sent with ``X-Priority: high``.
+
+    The client waits ``client_timeout_s`` for each answer (then the sample has status 0) over at
+    most ``connections`` connections (default: twice the arrivals of one deadline, at least 64);
+    an arrival finding them all busy waits in the client for one, and that wait counts.
+    """
     rng = random.Random(seed)
     tasks = []
-    connections = max(64, int(rate * deadline_ms / 1000 * 2))
-    async with _client(connections) as client:
+    connections = connections or max(64, int(rate * deadline_ms / 1000 * 2))
+    async with _client(connections, client_timeout_s) as client:
         await _open_connections(client, url, min(connections, 512))
         origin = time.perf_counter()
         next_at, i = 0.0, 0

@@ -16,6 +16,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rampart.inputs.decode_cost import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_JPEG_SCANS
+from rampart.overload.admission import ADMISSION_MODES
 from rampart.results import CONFIDENCE_KINDS
 
 ENV_PREFIX = "RAMPART_"
@@ -121,9 +122,19 @@ class Settings(BaseModel):
     # (python -m bench.cascade_eval, docs/bench/cascade_eval.json "recommendation", run of 2026-11-30):
     # msp at 0.42 is the lowest threshold with >= 99% top-1 agreement with the primary alone on the
     # 322 bundled photos, leaving 23.0% of them to the fallback (margin: 17.7% at 0.32).
-    routing: Literal["primary-first", "cascade"] = "primary-first"
+    # "primary-only" (for experiments: the ablation, README "Ablation"): the fallback is never asked, and the
+    # primary gets the whole deadline (no fallback reserve).
+    routing: Literal["primary-first", "cascade", "primary-only"] = "primary-first"
     cascade_confidence: Literal[CONFIDENCE_KINDS] = "msp"  # type: ignore[valid-type]  # "msp" or "margin"
     cascade_threshold: float = Field(0.42, ge=0.0, le=1.0)
+
+    # Switches for experiments, not for production (the ablation, bench.ablation, README "Ablation").
+    # admission (rampart.overload.admission.ADMISSION_MODES): "full" sheds on the queue bound and on predicted
+    # lateness; "queue-bound" only on the queue bound; "off" never (unbounded model queues and decode queue, no
+    # in-flight bound). honour_deadlines false: the server ignores the client's deadline and gives every request
+    # max_deadline_ms (no early stop, no TTL drop in practice).
+    admission: Literal[ADMISSION_MODES] = "full"  # type: ignore[valid-type]  # "full", "queue-bound" or "off"
+    honour_deadlines: bool = True
 
     # Content-hash LRU cache of answers, used when both models fail; 0 turns it off.
     cache_size: int = Field(1024, ge=0)

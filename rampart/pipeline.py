@@ -38,6 +38,13 @@ as the first choice (``cascade_fallback_unavailable``: a full answer); if neithe
 answers, the cache and static answer follow as above. The fallback asked first may
 use the whole ``Share.ALL``, so a fallback that hangs leaves the primary no time.
 
+With ``routing="primary-only"`` (an experiment's setting: the ablation, README
+"Ablation") the fallback is never asked: the primary alone, with the whole deadline
+(``Share.ALL``, no fallback reserve), then the cache and the static answer; 429 when
+the primary shed the request. The settings ``admission`` (the gates' ``mode``; ``off``
+also unbounds the decode queue and the in-flight bound) and ``honour_deadlines``
+(``rampart.overload.deadline.Deadline.sliced``) are the ablation's other switches.
+
 Every answer body is built by ``Classifier._body``; model answers carry their
 ``route`` (``ROUTES``), answers no model gave now carry ``route: null``.
 """
@@ -48,6 +55,7 @@ import asyncio
 import collections
 import io
 import logging
+import sys
 import time
 from dataclasses import dataclass
 
@@ -77,7 +85,9 @@ logger = logging.getLogger("rampart.pipeline")
 #: The ``route`` of a model answer: ``primary_first`` (routing ``primary-first``, whichever model answered),
 #: else one of the cascade's routes (``rampart.telemetry.metrics.CASCADE_ROUTES``, see the module doc).
 ROUTE_PRIMARY_FIRST = "primary_first"
-ROUTES = (ROUTE_PRIMARY_FIRST, *metrics.CASCADE_ROUTES)
+#: The ``route`` of every model answer with routing ``primary-only`` (experiments only).
+ROUTE_PRIMARY_ONLY = "primary_only"
+ROUTES = (ROUTE_PRIMARY_FIRST, ROUTE_PRIMARY_ONLY, *metrics.CASCADE_ROUTES)
 #: Fallback confidences kept for the quantiles in ``/stats`` (``cascade``).
 CONFIDENCE_WINDOW = 1000
 
@@ -99,8 +109,10 @@ def decode_limits(settings: Settings, buckets: list[Bucket]) -> DecodeLimits:
 
 def decode_pool(settings: Settings) -> BoundedPool:
     """The decode pool the settings ask for: ``decode_mode`` processes (forkserver preloaded
-    with the decode code) or threads, ``decode_workers`` of them at ``decode_nice``."""
-    return BoundedPool(settings.decode_workers, settings.decode_queue, nice=settings.decode_nice,
+    with the decode code) or threads, ``decode_workers`` of them at ``decode_nice``, and a wait
+    queue of ``decode_queue`` uploads (unbounded with ``admission`` ``off``, an experiment's setting)."""
+    queue = sys.maxsize if settings.admission == "off" else settings.decode_queue
+    return BoundedPool(settings.decode_workers, queue, nice=settings.decode_nice,
                        processes=settings.decode_mode == "processes", preload=("rampart.inputs.decode_job",))
 
 
@@ -129,19 +141,20 @@ class Classifier:
         tau_s = settings.throughput_tau_ms / 1000
         self.primary = ModelLane("primary", primary, AdmissionGate(
             primary.name, settings.primary_max_batch_size, settings.primary_concurrent_batches,
-            settings.primary_queue_delay_ms, ThroughputMeter(settings.primary_throughput_ips, tau_s),
+            settings.primary_queue_delay_ms, ThroughputMeter(settings.primary_throughput_ips, tau_s), settings.admission,
         ), CircuitBreaker(
             window_s=settings.breaker_window_ms / 1000, min_calls=settings.breaker_min_calls,
             failure_rate=settings.breaker_failure_rate, open_s=settings.breaker_open_ms / 1000,
             probes=settings.breaker_probes,
-        ), Share.PRIMARY)
+        ), Share.ALL if settings.routing == "primary-only" else Share.PRIMARY)
         self.fallback = ModelLane("fallback", fallback, AdmissionGate(
             fallback.name, settings.fallback_max_batch_size, settings.fallback_concurrent_batches,
-            settings.fallback_queue_delay_ms, ThroughputMeter(settings.fallback_throughput_ips, tau_s),
+            settings.fallback_queue_delay_ms, ThroughputMeter(settings.fallback_throughput_ips, tau_s), settings.admission,
         ), None, Share.ALL)
         self.cascade = settings.routing == "cascade"
         #: The lanes in the order the routing asks them (admission takes a place with the first that has room).
-        self.order = (self.fallback, self.primary) if self.cascade else (self.primary, self.fallback)
+        self.order = ((self.fallback, self.primary) if self.cascade else
+                      (self.primary,) if settings.routing == "primary-only" else (self.primary, self.fallback))
         self.routes = dict.fromkeys(ROUTES, 0)  # model answers by route
         self.recent_confidences: collections.deque[float] = collections.deque(maxlen=CONFIDENCE_WINDOW)
         if self.cascade:
@@ -158,17 +171,20 @@ class Classifier:
         ``AdmissionGate.retry_after_s``): a retry is admitted as soon as either
         model has room.
         """
-        return min(self.primary.gate.retry_after_s(), self.fallback.gate.retry_after_s())
+        return min(lane.gate.retry_after_s() for lane in self.order)
 
     def inflight_limit(self) -> int:
         """Most ``/classify`` requests one API worker lets in at once (``rampart.api.arrival.bound_inflight``).
 
-        Twice the places both gates have (dispatch window + queue limit of each):
+        Twice the places the routing's gates have (dispatch window + queue limit of each):
         up to one request per place holds it, and as many again may be reading
         their body (no place held yet) or be on their way out. Any more could only
         be shed by admission, so they are refused before BentoML's middlewares.
+        Unbounded (``sys.maxsize``) with ``admission`` ``off``.
         """
-        return 2 * sum(lane.gate.window + lane.gate.queue_limit for lane in (self.primary, self.fallback))
+        if self.settings.admission == "off":
+            return sys.maxsize
+        return 2 * sum(lane.gate.window + lane.gate.queue_limit for lane in self.order)
 
     def check_capacity(self, deadline: Deadline, high: bool) -> None:
         """Raise ``Overloaded`` (429) when neither model would take a request now; takes no place.
@@ -179,7 +195,7 @@ class Classifier:
         than the shortest possible answer is refused the same way, with a message
         that says so.
         """
-        if self.primary.has_room(high, deadline) or self.fallback.has_room(high, deadline):
+        if any(lane.has_room(high, deadline) for lane in self.order):
             return
         if deadline.remaining_s() <= 0:
             raise Overloaded(f"the deadline ({deadline.share_ms():.0f} ms after margins) leaves no time to answer",
@@ -188,18 +204,17 @@ class Classifier:
 
     def admit(self, deadline: Deadline, high: bool) -> Admission:
         """Take a place for a request whose body is in: a ticket for the routing's first model (``order``:
-        the primary, or the fallback in cascade mode), else one for the other.
+        the primary, or the fallback in cascade mode), else one for the other (none with ``primary-only``).
 
-        Raises ``Overloaded`` (429) when neither model can take it (``check_capacity``
+        Raises ``Overloaded`` (429) when no model of the routing can take it (``check_capacity``
         let it in, but the gates filled while its body arrived).
         """
-        first, second = self.order
-        taken = first.reserve(high, deadline)
-        if isinstance(taken, Ticket):
-            return Admission(**{first.role: taken})
-        other = second.reserve(high, deadline)
-        if isinstance(other, Ticket):
-            return Admission(**{second.role: other}, refused=taken)
+        refused = None
+        for lane in self.order:
+            taken = lane.reserve(high, deadline)
+            if isinstance(taken, Ticket):
+                return Admission(**{lane.role: taken}, refused=refused)
+            refused = refused or taken
         raise self._at_capacity()
 
     def _at_capacity(self) -> Overloaded:
@@ -270,7 +285,7 @@ class Classifier:
         route = result["route"]
         if route is not None:
             self.routes[route] += 1
-            if route != ROUTE_PRIMARY_FIRST:
+            if route in metrics.CASCADE_ROUTES:
                 metrics.CASCADE_ROUTES_TOTAL.labels(route).inc()
         name = (result["model"] or {}).get("name")
         role = {self.primary.endpoint.name: "primary", self.fallback.endpoint.name: "fallback"}.get(name, "none")
@@ -310,6 +325,10 @@ class Classifier:
             if first.answer is not None:
                 metrics.FALLBACK.labels(second.reason).inc()
                 return answer(self.fallback, first, second.reason, "cascade_not_escalated")
+        elif len(self.order) == 1:  # primary-only: no fallback
+            if first.answer is not None:
+                return answer(self.primary, first, None, ROUTE_PRIMARY_ONLY)
+            second = Attempt(None, "fallback_off", shed=True)
         else:
             if first.answer is not None:
                 return answer(self.primary, first, None, ROUTE_PRIMARY_FIRST)

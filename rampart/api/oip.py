@@ -32,7 +32,9 @@ Request ``parameters``: ``top_k`` (1..20, default 5), ``deadline_ms`` (same rule
 read the same way), ``priority`` (``"high"``/``"normal"``, or Triton's integers: 1 high,
 0 and 2 normal). Response ``parameters``: ``request_id``, ``degraded`` (any image degraded),
 ``degraded_reason`` (one reason per image, comma-separated, ``""`` for a full answer),
-``needs_review``, ``models`` (the answering model per image, comma-separated) and the
+``needs_review``, ``models`` (the answering model per image, comma-separated), ``routes``
+(each image's ``route`` as on ``/classify``: ``primary_first`` or a cascade route, ``""``
+when no model answered; comma-separated) and the
 timings ``decode_ms``, ``queue_ms``, ``inference_ms``, ``total_ms`` (the slowest image's).
 
 Errors are the protocol's ``{"error": "<code>: <message>"}`` with Rampart's status codes
@@ -361,6 +363,7 @@ def _response_parameters(results: list[dict], request_id: str) -> dict:
         "degraded_reason": ",".join(result["degraded_reason"] or "" for result in results),
         "needs_review": any(result["needs_review"] for result in results),
         "models": ",".join((result["model"] or {}).get("name", "") for result in results),
+        "routes": ",".join(result.get("route") or "" for result in results),
         **{f"{stage}_ms": max(t[stage] for t in timings) for stage in ("decode", "queue", "inference", "total")},
     }
 

@@ -27,6 +27,11 @@ is in, ``reserve`` takes a ``Ticket``. A request is refused (``Shed``) when
   made again when the request's turn comes, after decoding.
 
 The caller then tries the next model in the chain (see ``rampart.pipeline``).
+
+For experiments only (setting ``admission``, README "Ablation"), a gate's ``mode`` can
+switch shedding off in part: ``queue-bound`` refuses only ``queue_full`` (no
+prediction, at arrival or at the turn), ``off`` refuses nothing (an unbounded queue,
+no eviction). ``full``, the default, is everything above.
 """
 
 from __future__ import annotations
@@ -39,10 +44,13 @@ import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
 
-__all__ = ["DECODING", "Shed", "ThroughputMeter", "Ticket", "AdmissionGate"]
+__all__ = ["DECODING", "ADMISSION_MODES", "Shed", "ThroughputMeter", "Ticket", "AdmissionGate"]
 
 #: Pseudo-bucket of queued requests whose image is still being decoded.
 DECODING = "decoding"
+#: What a gate may refuse (``AdmissionGate.mode``, setting ``admission``): ``full`` (queue bound and predicted
+#: lateness: production), ``queue-bound`` (queue bound only), ``off`` (nothing). The last two are for experiments.
+ADMISSION_MODES = ("full", "queue-bound", "off")
 
 
 class Shed(Exception):
@@ -191,7 +199,7 @@ class Ticket:
                 raise
         try:
             alone = gate.dispatched == 1  # an idle model always gets a try: the meter may be stale
-            if remaining_s is not None and not alone and gate.completion_s(gate.dispatched) > remaining_s():
+            if gate.predicts and remaining_s is not None and not alone and gate.completion_s(gate.dispatched) > remaining_s():
                 raise Shed("predicted_late", f"{gate.name}: {gate.dispatched} images ahead no longer fit the deadline")
             yield
         finally:
@@ -218,12 +226,17 @@ class AdmissionGate:
     (never below one batch). ``has_room(high, budget_s)`` answers on arrival
     whether a request would get a place; ``reserve(high, budget_s)``, once its body
     is in, returns a ``Ticket`` or raises ``Shed`` (both decide with ``refusal``);
-    ``async with ticket.turn():`` goes around the runner call.
+    ``async with ticket.turn():`` goes around the runner call. ``mode`` (``ADMISSION_MODES``)
+    is ``full`` in production; ``queue-bound`` and ``off`` switch shedding off in part, for
+    experiments (module doc).
     """
 
     def __init__(self, name: str, max_batch_size: int, concurrent_batches: int, queue_delay_ms: float,
-                 meter: ThroughputMeter) -> None:
+                 meter: ThroughputMeter, mode: str = "full") -> None:
+        if mode not in ADMISSION_MODES:
+            raise ValueError(f"admission mode {mode!r} is not one of {ADMISSION_MODES}")
         self.name = name
+        self.mode = mode
         self.max_batch_size = max_batch_size
         self.window = (concurrent_batches + 1) * max_batch_size
         self.queue_delay_ms = queue_delay_ms
@@ -278,7 +291,7 @@ class AdmissionGate:
         """
         predicted = self.predicted_s(high)
         idle = self.dispatched == 0 and (self.queued_high if high else self.queued) == 0
-        if predicted > budget_s and not idle:  # an idle model always gets a try: the meter may be stale
+        if self.predicts and predicted > budget_s and not idle:  # an idle model always gets a try: the meter may be stale
             return Shed("predicted_late", f"{self.name}: predicted {predicted * 1000:.0f} ms > {budget_s * 1000:.0f} ms left")
         if self._full() and not (high and self._newest_normal() is not None):
             return Shed("queue_full", f"{self.name}: {self.queued} requests queued, the limit is {self.queue_limit}")
@@ -307,8 +320,14 @@ class AdmissionGate:
         self.on_change(self)
         return ticket
 
+    @property
+    def predicts(self) -> bool:
+        """Whether the gate sheds requests predicted to finish late (``mode`` ``full``)."""
+        return self.mode == "full"
+
     def _full(self) -> bool:
-        return self.dispatched + self.queued >= self.window + self.queue_limit
+        """Whether the queue is at its bound (never with ``mode`` ``off``: the queue is unbounded)."""
+        return self.mode != "off" and self.dispatched + self.queued >= self.window + self.queue_limit
 
     def drain_s(self) -> float:
         """Seconds until everything dispatched and queued now has been answered (0 before any measurement)."""

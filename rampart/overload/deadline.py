@@ -72,8 +72,12 @@ class Deadline:
         """The deadline of a request that arrived at ``arrival`` with ``budget_ms`` (ms, already validated).
 
         Its margin is ``settings.answer_margin_ms`` + ``loop_lag_ms`` (the event loop's
-        recent lag), its fallback reserve ``settings.fallback_reserve_ms``.
+        recent lag), its fallback reserve ``settings.fallback_reserve_ms``. With
+        ``settings.honour_deadlines`` false (an experiment's switch, README "Ablation")
+        the budget is ``settings.max_deadline_ms`` whatever the client asked for.
         """
+        if not settings.honour_deadlines:
+            budget_ms = settings.max_deadline_ms
         return cls(budget_ms, arrival.monotonic, arrival.wall, arrival,
                    margin_ms=settings.answer_margin_ms + loop_lag_ms,
                    fallback_reserve_ms=settings.fallback_reserve_ms)

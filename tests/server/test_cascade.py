@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
 from rampart.config import Settings
 from tests.server.test_fallback import write_faults
+from tests.server.test_observability import dashboard_metrics, missing_metrics
 from tests.support import PHOTOS, ROOT, SLACK_MS, encode, photo
 
 DEADLINE_MS = 800
@@ -81,3 +83,11 @@ def test_with_a_slow_primary_the_unsure_photo_gets_the_fallback_answer_in_time(c
     assert unsure["degraded"] is True and unsure["degraded_reason"] == "primary_timeout"
     assert elapsed_ms <= DEADLINE_MS + SLACK_MS and unsure["timings_ms"]["total"] <= DEADLINE_MS
     assert sure["route"] == "cascade_confident" and sure["degraded"] is False  # the slow primary is not asked
+
+
+def test_every_cascade_metric_the_dashboard_queries_exists(cascade):
+    client, _ = cascade
+    queried = dashboard_metrics("rampart_cascade_")
+    assert {"rampart_cascade_routes_total", "rampart_cascade_confidence_bucket"} <= queried
+    missing = missing_metrics(SimpleNamespace(url=str(client.base_url).rstrip("/")), queried)
+    assert not missing, f"the dashboard queries cascade metrics that /metrics lacks: {missing}"

@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 
 from bench.loadgen import load_bodies, open_loop, unique
+from tests.server.test_observability import dashboard_metrics, missing_metrics
 from tests.support import ROOT
 
 SHADOW_DEADLINE_MS = 300
@@ -101,6 +102,13 @@ def shadow_server(start_server, tmp_path_factory):
 def test_shadow_off_is_the_default(http):
     assert http.get("/stats").json()["shadow"] is None
     assert "rampart_shadow_requests_total" not in http.get("/metrics").text
+
+
+def test_every_shadow_metric_the_dashboard_queries_exists(shadow_server):
+    queried = dashboard_metrics("rampart_shadow_")
+    assert {"rampart_shadow_requests_total", "rampart_shadow_latency_seconds_bucket"} <= queried
+    missing = missing_metrics(shadow_server, queried)
+    assert not missing, f"the dashboard queries shadow metrics that /metrics lacks: {missing}"
 
 
 def test_agreement_is_recorded_and_each_disagreement_logged(shadow_server):

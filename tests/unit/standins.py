@@ -17,13 +17,19 @@ class StandIn:
     """A model that answers class ``best`` with probability ``score`` (and ``runner_up`` for class 0, when
     given; the rest shared evenly), unless ``mode`` injects a fault: ``error`` raises, ``hang`` sleeps past
     any deadline, ``expired`` returns a runner's TTL drop, ``garbage`` returns probabilities that are not
-    an array (Rampart's own bug: a 500). ``calls`` counts the calls."""
+    an array (Rampart's own bug: a 500). ``delay_s`` (s) is slept before any answer, like a slow model;
+    ``calls`` counts the calls and ``deadlines`` keeps each call's ``deadline_epoch_s``."""
 
     def __init__(self, best: int, score: float = 0.9, runner_up: float = 0.0) -> None:
         self.best, self.score, self.runner_up, self.mode, self.calls = best, score, runner_up, "ok", 0
+        self.delay_s = 0.0
+        self.deadlines: list[float] = []
 
     async def call(self, bucket_name: str, pixels: np.ndarray, deadline: float) -> RunnerAnswer:
         self.calls += 1
+        self.deadlines.append(deadline)
+        if self.delay_s:
+            await asyncio.sleep(self.delay_s)
         if self.mode == "error":
             raise RuntimeError("injected model failure")
         if self.mode == "hang":

@@ -136,3 +136,14 @@ def test_responses_read_back_with_tritonclient_and_pad_unanswered_rows(binary):
     assert parameters["degraded"] is True and parameters["degraded_reason"] == ",no_model_available"
     assert parameters["request_id"] == "req-1" and parameters["total_ms"] == 6.0
     assert result.get_response()["id"] == "id-7"
+
+
+def test_response_parameters_carry_each_images_route_as_on_classify():
+    confident = {**answer([(285, "Egyptian cat", 0.9)]), "route": "cascade_confident",
+                 "model": {"name": "rampart-fallback", "version": "v"}}
+    escalated = {**answer([(281, "tabby", 0.6)]), "route": "cascade_escalated"}
+    unanswered = {**answer([], "no_model_available"), "route": None}
+    parsed = oip.InferRequest(None, [b""] * 3, {}, None, False)
+    body = json.loads(oip.encode_infer_response(parsed, [confident, escalated, unanswered], 1, "req-2", "v").body)
+    assert body["parameters"]["routes"] == "cascade_confident,cascade_escalated,"
+    assert body["parameters"]["models"] == "rampart-fallback,rampart-primary,"
