@@ -333,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         return closed_loop_sweep(args.out, sweep_connections, sweep_s, args.sweep_client)
     if args.ceiling_only:
         report = {"machine": machine(), "command": "python -m bench.load_bench --ceiling-only"
-                  + (" --quick" if args.quick else ""), **ceiling_scenario(args.out, args.quick, SLO_MS)}
+                  + (" --quick" if args.quick else ""), **ceiling_scenario(args.out, args.quick)}
         (args.out / "ceiling.json").write_text(json.dumps(report, indent=2))
         print(json.dumps(report["runs"], indent=2))
         return 0
@@ -374,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results["cascade"] = cascade_scenario(args.out, named, clients, step_s, {"primary-first": primary_first_arm})
     print("cascade", json.dumps({k: v for k, v in results["cascade"].items() if k != "arms"}), flush=True)
-    results["near_free_ceiling"] = ceiling_scenario(args.out, args.quick, SLO_MS)
+    results["near_free_ceiling"] = ceiling_scenario(args.out, args.quick)
     results["ratios"] = {}
     ours = results["rampart"]
     for name in ("naive", "plain_bentoml"):
