@@ -113,18 +113,29 @@ def near_free_onnx(path: Path) -> Path:
 
 def phone_jpeg() -> tuple[bytes, dict]:
     """scikit-learn's ``china.jpg`` resized (Lanczos) to 1600×1200 and saved as baseline JPEG at the
-    quality (50..98) whose size is nearest 500 KB; returns (bytes, ``{"size", "quality", "bytes"}``).
-    Deterministic for one Pillow version (pinned)."""
+    quality (50..98) whose size is nearest 500 KB (binary search: the size grows with the quality);
+    returns (bytes, ``{"size", "quality", "bytes"}``). Deterministic for one Pillow version (pinned)."""
     from PIL import Image
     from sklearn.datasets import load_sample_image
 
     image = Image.fromarray(load_sample_image("china.jpg")).resize(PHONE_JPEG_SIZE, Image.Resampling.LANCZOS)
-    encodings = {}
-    for quality in range(50, 99):
-        buffer = io.BytesIO()
-        image.save(buffer, "JPEG", quality=quality)
-        encodings[quality] = buffer.getvalue()
-    quality = min(encodings, key=lambda q: abs(len(encodings[q]) - PHONE_JPEG_TARGET_BYTES))
+    encodings: dict[int, bytes] = {}
+
+    def encode(quality: int) -> bytes:
+        if quality not in encodings:
+            buffer = io.BytesIO()
+            image.save(buffer, "JPEG", quality=quality)
+            encodings[quality] = buffer.getvalue()
+        return encodings[quality]
+
+    low, high = 50, 98  # the smallest quality whose size reaches the target lies in [low, high]
+    while low < high:
+        middle = (low + high) // 2
+        if len(encode(middle)) < PHONE_JPEG_TARGET_BYTES:
+            low = middle + 1
+        else:
+            high = middle
+    quality = min({low, max(low - 1, 50)}, key=lambda q: abs(len(encode(q)) - PHONE_JPEG_TARGET_BYTES))
     body = encodings[quality]
     return body, {"size": list(PHONE_JPEG_SIZE), "quality": quality, "bytes": len(body)}
 
