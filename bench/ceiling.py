@@ -28,18 +28,20 @@ process over the round, read with psutil and grouped by role (``process_role``):
 CPU per request is each role's CPU seconds over the round divided by the requests
 answered in it (µs). *Serving overhead* is everything except decoding and the model:
 for Rampart ``api + runners + supervisor − model``, for the naive baseline
-``api − its decode − model``, where ``model`` (the engine's CPU per image at batch 1)
-and the naive decode are measured in this process on the same bodies
-(``in_process_costs``); Rampart's decoding is what ``decode_pool`` measured. The API
+``api − its decode − model``, where ``model`` (the engine's CPU per image at batch 1,
+calls back to back) and the naive decode are measured in this process on the same bodies
+(``in_process_costs``); Rampart's decoding is what ``decode_pool`` measured. ONNX
+Runtime's threads spin-wait after each call (``model_at_100_per_s`` shows what that
+costs when calls are apart); ``model`` leaves that out, so it counts as overhead. The API
 process's own part of decoding (format sniffing, header checks, the pipe to the pool)
 stays in the overhead: it is not separated without a profiler.
 
 The load generator runs on the same machine and takes CPU from the servers
 (``client_cpu_us_per_request`` says how much), so the requests per second are a
 ceiling of this host with its client, while the CPU per request is the server's own.
-A round counts only when every answer was a full 200 (``clean``): no shed, degraded,
-5xx or failed request, so several API workers' separate admission gates
-(README, "Overload control") cannot have shaped the figures.
+``clean`` says whether every answer of a round was a full 200: no shed, degraded, 5xx or
+failed request. Only then are its figures the cost of serving alone, which several API
+workers' separate admission gates (README, "Overload control") cannot have shaped.
 """
 
 from __future__ import annotations
