@@ -38,7 +38,12 @@ each service runs in its own subprocess on 127.0.0.1.
    image (both servers asked one image at a time with a 10 s deadline, so nothing is
    degraded). ``--cascade-only`` runs just this scenario and writes ``cascade.json``.
 
-7. **Ablation** (``bench.ablation``, not part of the full run): one open-loop overload at 5x
+7. **Near-free-model ceiling** (``bench.ceiling``): a model that costs almost nothing, imported
+   through the "your own model" path, served by Rampart with 1 and 2 API workers and by the
+   naive baseline; requests/s and CPU µs per request by process role, for a ~500 KB phone
+   JPEG and a 260×260 PNG. ``--ceiling-only`` runs just this and writes ``ceiling.json``.
+
+8. **Ablation** (``bench.ablation``, not part of the full run): one open-loop overload at 5x
    capacity, repeated with one overload mechanism added per arm; ``--ablation-only`` runs it
    and writes ``ablation.json`` and ``ablation.png``.
 
@@ -63,6 +68,7 @@ import httpx
 import numpy as np
 
 from bench.baselines import triton_pytriton
+from bench.ceiling import ceiling_scenario
 from bench.loadgen import closed_loop, load_bodies, oip_request, open_loop, run_sync, summarize, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,18 +78,18 @@ BIN = Path(sys.executable).parent
 PEERS = {"triton": triton_pytriton.skip_reason}
 
 
-def private_bentoml_home(directory: Path) -> dict[str, str]:
+def private_bentoml_home(directory: Path, store: Path | None = None) -> dict[str, str]:
     """Environment giving one ``bentoml serve`` its own BENTOML_HOME that shares the model store.
 
     BentoML keeps its Prometheus multiprocess files in ``$BENTOML_HOME/prometheus_multiproc_dir``
     and empties it whenever a server starts, so two servers under one home erase each
-    other's metrics. ``directory/models`` links to the real store.
+    other's metrics. ``directory/models`` links to ``store`` (default: the real store).
     """
     real_home = Path(os.environ.get("BENTOML_HOME", Path.home() / "bentoml"))
     directory.mkdir(parents=True, exist_ok=True)
     models = directory / "models"
     if not models.exists():
-        models.symlink_to(real_home / "models", target_is_directory=True)
+        models.symlink_to(store or real_home / "models", target_is_directory=True)
     return {"BENTOML_HOME": str(directory)}
 
 
@@ -140,7 +146,7 @@ class Service:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}")
             try:
                 if self.name in ("rampart", "plain_bentoml") and httpx.get(f"{base}/readyz", timeout=5).status_code != 200:
-                    time.sleep(1)
+                    time.sleep(0.25)
                     continue
                 if self.oip:
                     body, headers = oip_request(bodies[0])
@@ -153,7 +159,7 @@ class Service:
                     return
             except httpx.HTTPError:
                 pass
-            time.sleep(1)
+            time.sleep(0.25)
         raise RuntimeError(f"{self.name} not ready after {timeout_s} s")
 
     def stop(self) -> None:
@@ -339,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="only the peer baselines and the naive one as reference (peers.json)")
     parser.add_argument("--ablation-only", action="store_true",
                         help="only the ablation of bench.ablation (ablation.json), all five arms")
+    parser.add_argument("--ceiling-only", action="store_true", help="only the near-free-model ceiling (ceiling.json)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ablation_only:
@@ -348,6 +355,12 @@ def main(argv: list[str] | None = None) -> int:
     sweep_connections, sweep_s = ((1, 4), 2.0) if args.quick else ((1, 4, 16, 64, 256), 10.0)
     if args.sweep_only:
         return closed_loop_sweep(args.out, sweep_connections, sweep_s, args.sweep_client)
+    if args.ceiling_only:
+        report = {"machine": machine(), "command": "python -m bench.load_bench --ceiling-only"
+                  + (" --quick" if args.quick else ""), **ceiling_scenario(args.out, args.quick)}
+        (args.out / "ceiling.json").write_text(json.dumps(report, indent=2))
+        print(json.dumps(report["runs"], indent=2))
+        return 0
     if args.quick:
         batch_sizes, repeats, clients, step_s, factors, overload_s = [1, 4], 1, [1, 8], 2.0, [5.0], 3.0
     else:
@@ -392,6 +405,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results["cascade"] = cascade_scenario(args.out, named, clients, step_s, {"primary-first": primary_first_arm})
     print("cascade", json.dumps({k: v for k, v in results["cascade"].items() if k != "arms"}), flush=True)
+    results["near_free_ceiling"] = ceiling_scenario(args.out, args.quick)
     results["ratios"] = {}
     ours = results["rampart"]
     for name in ("naive", "plain_bentoml", *PEERS):

@@ -25,6 +25,7 @@ import numpy as np
 from pydantic import Field
 
 
+from inference.stored import load_engine
 from rampart.api.lifecycle import RUNNER_EXIT_MARGIN_S, intercept_exit_signals, wait_for_entry_workers
 from rampart.api.lifecycle import logger as lifecycle_log
 from rampart.config import Settings, get_settings
@@ -321,33 +322,6 @@ def runner_spec(settings: Settings, role: str) -> RunnerSpec:
                           FaultSpec(settings.fault_shadow_delay_ms, settings.fault_shadow_error_rate),
                           max(0.05, 1.0 - settings.gpu_memory_fraction), settings.shadow_deadline_ms / 1000 + 10)
     raise ValueError(f"unknown runner role {role!r}")
-
-
-def load_engine(model, memory_fraction: float):
-    """The inference engine for a stored model (``bentoml.Model``), chosen by its ``framework`` metadata.
-
-    "onnx": ``inference.engines.OnnxClassifier`` on ``model.onnx``; "pytorch":
-    ``family``/``arch`` built by ``inference.architectures`` with ``weights.pt`` loaded, in
-    ``inference.engines.TorchClassifier`` capped at ``memory_fraction`` of the GPU's
-    memory. Both take uint8 N×H×W×3 and return float32 N×C. Raises ``ValueError`` for
-    another framework. The metadata is written by ``python -m models.import_models``.
-    """
-    meta = model.info.metadata
-    framework = meta.get("framework")
-    if framework == "onnx":
-        from inference.engines import OnnxClassifier
-
-        return OnnxClassifier(model.path_of("model.onnx"), meta["mean"], meta["std"])
-    if framework == "pytorch":
-        import torch
-
-        from inference.architectures import create_architecture
-        from inference.engines import TorchClassifier
-
-        module = create_architecture(meta["family"], meta["arch"], num_classes=len(meta["labels"]))
-        module.load_state_dict(torch.load(model.path_of("weights.pt"), map_location="cpu", weights_only=True))
-        return TorchClassifier(module, meta["mean"], meta["std"], memory_fraction=memory_fraction)
-    raise ValueError(f"model {model.tag}: framework {framework!r} is neither 'onnx' nor 'pytorch'")
 
 
 def define_runner(role: str, name: str, doc: str) -> bentoml.Service:

@@ -1,7 +1,9 @@
 """What both baselines share: the primary model from the BentoML store and naive preprocessing.
 
-The model is exactly Rampart's primary (``rampart-primary:latest``: EfficientNet-Lite2,
-same weights, same ``TorchClassifier`` engine), so only the serving differs.
+The model is exactly Rampart's primary (the ``primary_model`` setting, from
+``RAMPART_PRIMARY_MODEL`` like Rampart's own: ``rampart-primary:latest``, EfficientNet-Lite2,
+by default), loaded by the runners' own ``inference.stored.load_engine``, so only the
+serving differs.
 Preprocessing is the usual naive path: full decode, convert to RGB, squash to
 260×260. No byte, pixel or deadline handling.
 """
@@ -16,19 +18,22 @@ from PIL import Image
 from rampart.results import top_labels
 
 
-def load_primary():
-    """(engine, labels, resolution) of ``rampart-primary:latest``."""
+def load_primary(tag: str | None = None):
+    """(engine, labels, resolution) of the stored model ``tag`` (default: the ``primary_model`` setting).
+
+    The engine is the one Rampart's runner would use for it (PyTorch or ONNX, by the
+    model's ``framework`` metadata). Raises ``bentoml.exceptions.NotFound`` when ``tag``
+    is not in the store.
+    """
     import bentoml
-    import torch
 
-    from inference.architectures import create_architecture
-    from inference.engines import TorchClassifier
+    from inference.stored import load_engine
+    from rampart.config import get_settings
 
-    stored = bentoml.models.get("rampart-primary:latest")
+    settings = get_settings()
+    stored = bentoml.models.get(tag or settings.primary_model)
     meta = stored.info.metadata
-    module = create_architecture(meta["family"], meta["arch"], num_classes=len(meta["labels"]))
-    module.load_state_dict(torch.load(stored.path_of("weights.pt"), map_location="cpu", weights_only=True))
-    return TorchClassifier(module, meta["mean"], meta["std"]), list(meta["labels"]), int(meta["resolution"])
+    return load_engine(stored, settings.gpu_memory_fraction), list(meta["labels"]), int(meta["resolution"])
 
 
 def naive_pixels(data: bytes | Image.Image, resolution: int) -> np.ndarray:

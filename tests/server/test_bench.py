@@ -51,3 +51,16 @@ def test_load_bench_quick_runs_end_to_end_with_both_baselines(tmp_path):
     assert arms["cascade"]["stats_cascade"]["routing"] == "cascade" and arms["cascade"]["full_knee"]["clients"] in (1, 8)
     assert cascade["knee_ratio"] is not None
     assert all(value is not None for ratios in results["ratios"].values() for value in ratios.values())
+    # Near-free-model ceiling: Rampart with 2 API workers (two entry processes, each with its decode pool)
+    # and the naive baseline serve the imported model; every answer a full 200, so no worker's gate shaped it.
+    ceiling = results["near_free_ceiling"]
+    assert 450_000 <= ceiling["bodies"]["phone_jpeg"]["bytes"] <= 550_000, ceiling["bodies"]
+    assert set(ceiling["runs"]) == {"rampart_2_workers", "naive"}
+    for label, runs in ceiling["runs"].items():
+        assert set(runs) == {"phone_jpeg", "png_260"}, label
+        for body, run in runs.items():
+            assert run["clean"] and run["cpu_us_per_request"]["api"] > 0, (label, body, run)
+    processes = ceiling["runs"]["rampart_2_workers"]["png_260"]["processes"]
+    assert processes["api"] == 2 and processes["runners"] == 2 and processes["decode_pool"] >= 4, processes
+    assert ceiling["runs"]["rampart_2_workers"]["png_260"]["cpu_us_per_request"]["decode_pool"] > 0
+    assert set(ceiling["ratios"]["rampart_2_workers"]) == {"phone_jpeg", "png_260"}

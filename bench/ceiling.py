@@ -1,0 +1,402 @@
+"""The serving ceiling with a near-free model: how many requests per second, and how much CPU per request,
+Rampart's serving itself costs when the model costs almost nothing (issue 13, item 5).
+
+A GPU host runs the model thousands of times a second; what bounds it then is the API
+layer and decoding. This scenario measures that bound on any host by serving a model
+that costs almost nothing: ``near_free_onnx`` (global average pool over the image, then
+one linear layer 3 → 1000 ImageNet logits, dynamic batch, height and width like the
+fallback's export). It goes in through the "your own model" import
+(``python -m models.import_models --shadow-onnx … --shadow-name rampart-near-free
+--no-check``: the one import that takes an ONNX file under a name of one's choosing)
+into a private model store, and serves as both Rampart's primary and fallback
+(``RAMPART_PRIMARY_MODEL``, ``RAMPART_FALLBACK_MODEL``) and as the naive baseline's
+model (``bench.baselines.common.load_primary`` reads the same setting).
+
+For each server (Rampart with ``api_workers`` 1 and 2, the naive FastAPI baseline) and
+each body (``phone_jpeg``: a ~500 KB 1600×1200 JPEG; ``png_260``: a 260×260 PNG), one
+closed-loop round of aiohttp clients (``bench.loadgen.closed_loop_round``, every body
+made unique so the answer cache never answers), with the CPU time of every server
+process over the round, read with psutil and grouped by role (``process_role``):
+
+- ``api``: the entry service's worker processes (for the naive baseline: its one
+  uvicorn process, which also decodes and computes);
+- ``decode_pool``: processes under an entry worker (the decode workers, their
+  forkserver and resource tracker);
+- ``runners``: the model runner processes;
+- ``supervisor``: ``bentoml serve``'s own process.
+
+CPU per request is each role's CPU seconds over the round divided by the requests
+answered in it (µs). *Serving overhead* is everything except decoding and the model:
+for Rampart ``api + runners + supervisor − model``, for the naive baseline
+``api − its decode − model``, where ``model`` (the engine's CPU per image at batch 1,
+calls back to back) and the naive decode are measured in this process on the same bodies
+(``in_process_costs``); Rampart's decoding is what ``decode_pool`` measured. ONNX
+Runtime's threads spin-wait after each call (``model_at_100_per_s`` shows what that
+costs when calls are apart); ``model`` leaves that out, so it counts as overhead. The API
+process's own part of decoding (format sniffing, header checks, the pipe to the pool)
+stays in the overhead: it is not separated without a profiler.
+
+The load generator runs on the same machine and takes CPU from the servers
+(``client_cpu_us_per_request`` says how much), so the requests per second are a
+ceiling of this host with its client, while the CPU per request is the server's own.
+``clean`` says whether every answer of a round was a full 200: no shed, degraded, 5xx or
+failed request. Only then are its figures the cost of serving alone, which several API
+workers' separate admission gates (README, "Overload control") cannot have shaped.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from bench.loadgen import closed_loop_round, run_sync
+from rampart.api.lifecycle import ENTRY_SERVICE_NAME
+
+__all__ = ["NEAR_FREE_NAME", "near_free_onnx", "phone_jpeg", "small_png", "start_import", "finish_import", "process_role",
+           "ProcessCpu", "in_process_costs", "ceiling_scenario"]
+
+ROOT = Path(__file__).resolve().parent.parent
+NEAR_FREE_NAME = "rampart-near-free"
+#: The near-free model's input resolution: the primary's (EfficientNet-Lite2, 260 px), so the
+#: decode pool fits the same bucket sizes as for the real primary.
+NEAR_FREE_RESOLUTION = 260
+#: "A typical phone JPEG (about 500 KB)" (issue 13): a 4:3 photo at 1600×1200, the quality picked to land nearest.
+PHONE_JPEG_SIZE = (1600, 1200)
+PHONE_JPEG_TARGET_BYTES = 500_000
+SMALL_PNG_SIDE = 260
+#: Deadline of every request here: long enough that no answer is shaped by it (the decode queue of a
+#: saturated 2-core host holds a closed loop's requests for hundreds of ms, and at the 1 s default some
+#: would be answered by the fallback), since this scenario measures cost, not deadlines.
+DEADLINE_MS = 10_000.0
+#: The target the issue sets for serving overhead (everything but decoding and the model), µs of CPU per request.
+OVERHEAD_TARGET_US = 1000.0
+ROLES = ("api", "decode_pool", "runners", "supervisor")
+
+
+def near_free_onnx(path: Path) -> Path:
+    """Write the near-free classifier to ``path`` and return it.
+
+    Input ``input`` float32 N×3×H×W (N, H, W dynamic), output ``logits`` float32 N×1000:
+    ``GlobalAveragePool`` → ``Flatten`` → ``Gemm`` with fixed weights (normal, σ 0.01,
+    seed 0; zero bias). Opset 17, IR version 10 (what ``models.import_models`` writes).
+    Its cost is one pass over the pixels and 3000 multiply-adds.
+    """
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from models.import_models import MAX_ONNX_IR_VERSION, ONNX_OPSET
+
+    rng = np.random.default_rng(0)
+    weights = numpy_helper.from_array((rng.standard_normal((3, 1000)) * 0.01).astype(np.float32), "weights")
+    bias = numpy_helper.from_array(np.zeros(1000, np.float32), "bias")
+    graph = helper.make_graph(
+        [helper.make_node("GlobalAveragePool", ["input"], ["pooled"]),
+         helper.make_node("Flatten", ["pooled"], ["flat"], axis=1),
+         helper.make_node("Gemm", ["flat", "weights", "bias"], ["logits"])],
+        "near_free",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, ["batch", 3, "height", "width"])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch", 1000])],
+        [weights, bias])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", ONNX_OPSET)])
+    model.ir_version = MAX_ONNX_IR_VERSION
+    onnx.checker.check_model(model)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(path))
+    return path
+
+
+def phone_jpeg() -> tuple[bytes, dict]:
+    """scikit-learn's ``china.jpg`` resized (Lanczos) to 1600×1200 and saved as baseline JPEG at the
+    quality (50..98) whose size is nearest 500 KB (binary search: the size grows with the quality);
+    returns (bytes, ``{"size", "quality", "bytes"}``). Deterministic for one Pillow version (pinned)."""
+    from PIL import Image
+    from sklearn.datasets import load_sample_image
+
+    image = Image.fromarray(load_sample_image("china.jpg")).resize(PHONE_JPEG_SIZE, Image.Resampling.LANCZOS)
+    encodings: dict[int, bytes] = {}
+
+    def encode(quality: int) -> bytes:
+        if quality not in encodings:
+            buffer = io.BytesIO()
+            image.save(buffer, "JPEG", quality=quality)
+            encodings[quality] = buffer.getvalue()
+        return encodings[quality]
+
+    low, high = 50, 98  # the smallest quality whose size reaches the target lies in [low, high]
+    while low < high:
+        middle = (low + high) // 2
+        if len(encode(middle)) < PHONE_JPEG_TARGET_BYTES:
+            low = middle + 1
+        else:
+            high = middle
+    quality = min({low, max(low - 1, 50)}, key=lambda q: abs(len(encode(q)) - PHONE_JPEG_TARGET_BYTES))
+    body = encodings[quality]
+    return body, {"size": list(PHONE_JPEG_SIZE), "quality": quality, "bytes": len(body)}
+
+
+def small_png() -> tuple[bytes, dict]:
+    """scikit-image's ``chelsea``, its centre square resized (Lanczos) to 260×260, as PNG;
+    returns (bytes, ``{"size", "bytes"}``)."""
+    from PIL import Image
+    from skimage import data
+
+    cat = data.chelsea()  # 300×451
+    side = min(cat.shape[:2])
+    left = (cat.shape[1] - side) // 2
+    image = Image.fromarray(np.ascontiguousarray(cat[:side, left:left + side]))
+    image = image.resize((SMALL_PNG_SIDE, SMALL_PNG_SIDE), Image.Resampling.LANCZOS)
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return buffer.getvalue(), {"size": [SMALL_PNG_SIDE, SMALL_PNG_SIDE], "bytes": len(buffer.getvalue())}
+
+
+def start_import(onnx_path: Path, home: Path) -> subprocess.Popen:
+    """Start importing ``onnx_path`` into a private model store at ``home`` (its own ``models``
+    folder, so the real store is never written); ``finish_import`` waits for it.
+
+    Runs ``python -m models.import_models --shadow-onnx … --shadow-name rampart-near-free
+    --shadow-resolution 260 --no-check`` with ``BENTOML_HOME=home``, in the background: most
+    of its 4 s is importing torch, which the scenario overlaps with its in-process measurements.
+    """
+    (home / "models").mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen([sys.executable, "-m", "models.import_models", "--shadow-onnx", str(onnx_path),
+                             "--shadow-name", NEAR_FREE_NAME, "--shadow-resolution", str(NEAR_FREE_RESOLUTION),
+                             "--no-check"], cwd=ROOT, env={**os.environ, "BENTOML_HOME": str(home)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def finish_import(process: subprocess.Popen, timeout_s: float = 300) -> None:
+    """Wait for ``start_import``'s process; raises ``subprocess.CalledProcessError`` (with its output) if it failed."""
+    output, _ = process.communicate(timeout=timeout_s)
+    if process.returncode != 0:
+        raise subprocess.CalledProcessError(process.returncode, process.args, output)
+
+
+def process_role(process: psutil.Process, entry_pids: set[int]) -> str:
+    """The role (``ROLES``) of one process of a ``bentoml serve`` tree: a BentoML service worker
+    is ``api`` when its ``--service-name`` is the entry service's, else ``runners``; a process under
+    an entry worker (``entry_pids``) is ``decode_pool``; anything else (the server's own process) is
+    ``supervisor``. Raises ``psutil.Error`` when the process is gone."""
+    match = re.search(r"--service-name (\S+)", " ".join(process.cmdline()))
+    if match:
+        return "api" if match.group(1) == ENTRY_SERVICE_NAME else "runners"
+    if any(parent.pid in entry_pids for parent in process.parents()):
+        return "decode_pool"
+    return "supervisor"
+
+
+class ProcessCpu:
+    """CPU seconds (user + system) of a server's process tree between ``start()`` and ``stop()``, by role.
+
+    ``root_role``: the role of the started process itself (``supervisor`` for ``bentoml serve``,
+    ``api`` for a one-process server such as uvicorn). Processes that appear during the
+    interval count from zero; one that ends during it loses what it spent (none ends in
+    a clean round: decode workers are only replaced after a decode timeout).
+    """
+
+    def __init__(self, root_pid: int, root_role: str) -> None:
+        self.root = psutil.Process(root_pid)
+        self.root_role = root_role
+        self._start: dict[int, float] = {}
+
+    def read(self) -> dict[int, tuple[str, float]]:
+        """``{pid: (role, CPU seconds so far)}`` of the root and all its descendants alive now."""
+        processes = [self.root, *self.root.children(recursive=True)]
+        entry = set()
+        for process in processes[1:]:
+            try:
+                if process_role(process, set()) == "api":
+                    entry.add(process.pid)
+            except psutil.Error:
+                continue
+        out = {}
+        for process in processes:
+            try:
+                role = self.root_role if process.pid == self.root.pid else process_role(process, entry)
+                times = process.cpu_times()
+                out[process.pid] = (role, times.user + times.system)
+            except psutil.Error:
+                continue
+        return out
+
+    def start(self) -> None:
+        self._start = {pid: cpu for pid, (_, cpu) in self.read().items()}
+
+    def stop(self) -> dict[str, dict]:
+        """``{role: {"cpu_s", "processes"}}`` for every role in ``ROLES``, since ``start()``."""
+        out = {role: {"cpu_s": 0.0, "processes": 0} for role in ROLES}
+        for pid, (role, cpu) in self.read().items():
+            out[role]["cpu_s"] += cpu - self._start.get(pid, 0.0)
+            out[role]["processes"] += 1
+        return out
+
+
+def _cpu_us(function, repeats: int) -> float:
+    """Mean CPU time of ``function()`` in this process (all threads), µs, after one warm-up call."""
+    function()
+    start = time.process_time()
+    for _ in range(repeats):
+        function()
+    return (time.process_time() - start) / repeats * 1e6
+
+
+def _paced_cpu_us(function, rate: float, calls: int) -> float:
+    """Mean CPU time of ``function()`` in this process (all threads), µs, when called ``rate`` times a second."""
+    function()
+    start = time.process_time()
+    next_at = time.perf_counter()
+    for _ in range(calls):
+        function()
+        next_at += 1.0 / rate
+        time.sleep(max(0.0, next_at - time.perf_counter()))
+    return (time.process_time() - start) / calls * 1e6
+
+
+def in_process_costs(onnx_path: Path, bodies: dict[str, bytes], repeats: int) -> dict[str, dict]:
+    """Per body, the CPU µs in this process of: ``rampart_decode`` (``rampart.inputs.decode_job.prepare``
+    with the service's default ``DecodePlan`` for two 260 px models, as the decode pool runs it),
+    ``naive_decode`` (``bench.baselines.common.naive_pixels``: full decode, RGB, squash to 260×260),
+    ``model`` (the near-free engine, ``inference.engines.OnnxClassifier``, on the primary's
+    prepared 1×H×W×3 batch, calls back to back; normalisation included) and
+    ``model_at_100_per_s`` (the same call paced at 100 calls/s: ONNX Runtime's intra-op threads
+    spin-wait for work after each call, and that CPU is charged per call when calls are apart)."""
+    from bench.baselines.common import naive_pixels
+    from inference.engines import OnnxClassifier
+    from models.import_models import LITE_MEAN, LITE_STD
+    from rampart.config import Settings
+    from rampart.inputs.buckets import buckets_for_resolution
+    from rampart.inputs.decode_job import DecodePlan, prepare
+    from rampart.pipeline import decode_limits
+
+    settings = Settings()
+    buckets = buckets_for_resolution(NEAR_FREE_RESOLUTION)
+    plan = DecodePlan(decode_limits(settings, list(buckets.values())), {"primary": buckets, "fallback": buckets},
+                      settings.crop_margin)
+    engine = OnnxClassifier(str(onnx_path), LITE_MEAN, LITE_STD)
+    out = {}
+    for name, body in bodies.items():
+        bucket, pixels = prepare(body, plan).inputs["primary"]
+        out[name] = {
+            "rampart_decode": round(_cpu_us(lambda: prepare(body, plan), repeats), 1),
+            "naive_decode": round(_cpu_us(lambda: naive_pixels(body, NEAR_FREE_RESOLUTION), repeats), 1),
+            "model": round(_cpu_us(lambda: engine.predict(pixels[None]), repeats), 1),
+            "model_at_100_per_s": round(_paced_cpu_us(lambda: engine.predict(pixels[None]), 100.0, 2 * repeats), 1),
+            "bucket": bucket.name,
+        }
+    return out
+
+
+def measure_round(service, body: bytes, connections: int, duration_s: float, deadline_ms: float,
+                  root_role: str) -> dict:
+    """One closed-loop round of ``connections`` clients posting ``body`` to a ready ``service``
+    (``bench.load_bench.Service``), with its processes' CPU by role.
+
+    Returns ``bench.loadgen.summarize``'s counts and latencies, ``clean`` (every answer a
+    full 200), ``client_cpu_us_per_request`` and ``cpu_us_per_request`` per role and in
+    total, and ``processes`` per role (how many were found: the API worker count shows here).
+    """
+    meter = ProcessCpu(service.process.pid, root_role)
+    meter.start()
+    round_ = run_sync(closed_loop_round(service.url, [body], connections, duration_s, deadline_ms))
+    roles = meter.stop()
+    summary = round_.summary()
+    answered = max(summary["ok"], 1)
+    per_request = {role: round(roles[role]["cpu_s"] * 1e6 / answered, 1) for role in ROLES}
+    per_request["total"] = round(sum(per_request.values()), 1)
+    keep = ("requests", "throughput_rps", "ok", "full", "degraded", "shed_429", "errors_5xx", "failed", "p50_ms", "p99_ms")
+    return {**{key: summary[key] for key in keep},
+            "clean": summary["requests"] > 0 and summary["full"] == summary["requests"],
+            "cpu_us_per_request": per_request,
+            "client_cpu_us_per_request": round(round_.client_cpu_s * 1e6 / max(summary["requests"], 1), 1),
+            "processes": {role: roles[role]["processes"] for role in ROLES}}
+
+
+def with_breakdown(run: dict, costs: dict, naive: bool) -> dict:
+    """``run`` (``measure_round``) plus ``decode_us``, ``model_us`` and ``serving_overhead_us`` (module doc),
+    and whether the overhead is within the issue's 1 ms (``OVERHEAD_TARGET_US``)."""
+    cpu = run["cpu_us_per_request"]
+    model = costs["model"]
+    if naive:
+        decode = costs["naive_decode"]
+        overhead = cpu["api"] - decode - model
+    else:
+        decode = cpu["decode_pool"]
+        overhead = cpu["api"] + cpu["runners"] + cpu["supervisor"] - model
+    return {**run, "decode_us": round(decode, 1), "model_us": model, "serving_overhead_us": round(overhead, 1),
+            "overhead_within_1ms": overhead < OVERHEAD_TARGET_US}
+
+
+def ceiling_scenario(out: Path, quick: bool, deadline_ms: float = DEADLINE_MS) -> dict:
+    """The near-free-model scenario (module doc): import, then Rampart with 1 and 2 API workers and
+    the naive baseline, one server at a time, each body in one measured round after a warm-up round.
+
+    ``quick``: only Rampart with 2 API workers and the naive baseline, 1 s rounds with 8
+    connections and no warm-up (proves the scenario and the worker count, measures little;
+    about 20 s); else all three servers, 10 s rounds with 16 connections after 3 s.
+    Logs and the private store go under ``out``. Returns ``{"model", "bodies", "settings",
+    "in_process_us", "runs": {server: {body: round}}, "ratios": {server: {body: req/s ÷ naive's}},
+    "wall_s": {server: {"ready", "total"}}, "overhead_target_us"}``.
+    """
+    from bench.load_bench import Service, _ratio, private_bentoml_home
+
+    connections, round_s, warm_s, repeats = (8, 1.0, 0.0, 5) if quick else (16, 10.0, 3.0, 50)
+    directory = out / "near-free"
+    onnx_path = near_free_onnx(directory / "near_free.onnx")
+    importing = start_import(onnx_path, directory / "store")
+    try:
+        jpeg, jpeg_info = phone_jpeg()
+        png, png_info = small_png()
+        bodies = {"phone_jpeg": jpeg, "png_260": png}
+        costs = in_process_costs(onnx_path, bodies, repeats)
+    finally:
+        finish_import(importing)
+    store, tag = directory / "store" / "models", f"{NEAR_FREE_NAME}:latest"
+    servers = {"rampart_1_worker": ("rampart", {"RAMPART_API_WORKERS": "1"}),
+               "rampart_2_workers": ("rampart", {"RAMPART_API_WORKERS": "2"}),
+               "naive": ("naive", {})}
+    if quick:
+        del servers["rampart_1_worker"]
+    runs: dict[str, dict] = {}
+    wall: dict[str, dict] = {}
+    for label, (name, extra) in servers.items():
+        started = time.monotonic()
+        home = private_bentoml_home(out / f"near-free-{label}-home", store)
+        env = {**home, "RAMPART_PRIMARY_MODEL": tag, "RAMPART_FALLBACK_MODEL": tag, **extra}
+        service = Service(name, out, env=env, label=f"near-free-{label}")
+        root_role = "api" if name == "naive" else "supervisor"
+        try:
+            service.wait_ready([jpeg])
+            wall[label] = {"ready": round(time.monotonic() - started, 1)}
+            runs[label] = {}
+            for body_name, body in bodies.items():
+                if warm_s:
+                    run_sync(closed_loop_round(service.url, [body], connections, warm_s, deadline_ms))
+                run = measure_round(service, body, connections, round_s, deadline_ms, root_role)
+                runs[label][body_name] = with_breakdown(run, costs[body_name], naive=name == "naive")
+        finally:
+            service.stop()
+        wall.setdefault(label, {})["total"] = round(time.monotonic() - started, 1)
+    ratios = {label: {body: _ratio(runs[label][body]["throughput_rps"], runs["naive"][body]["throughput_rps"])
+                      for body in bodies} for label in runs if label != "naive"}
+    return {
+        "model": {"name": NEAR_FREE_NAME, "resolution": NEAR_FREE_RESOLUTION,
+                  "graph": "GlobalAveragePool -> Flatten -> Gemm(3 -> 1000), ONNX opset 17",
+                  "import": "python -m models.import_models --shadow-onnx near_free.onnx --shadow-name "
+                            f"{NEAR_FREE_NAME} --shadow-resolution {NEAR_FREE_RESOLUTION} --no-check"},
+        "bodies": {"phone_jpeg": jpeg_info, "png_260": png_info},
+        "settings": {"connections": connections, "round_s": round_s, "warm_up_s": warm_s, "deadline_ms": deadline_ms},
+        "in_process_us": costs,
+        "runs": runs,
+        "ratios": ratios,
+        "wall_s": wall,
+        "overhead_target_us": OVERHEAD_TARGET_US,
+    }
+

@@ -1,0 +1,66 @@
+"""The near-free-model ceiling's parts (bench.ceiling), in process: its model, its bodies, and how
+server processes are told apart and their CPU counted. The scenario itself runs in
+tests/server/test_bench.py (``load_bench --quick``)."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import time
+
+import numpy as np
+import psutil
+from PIL import Image
+
+from bench.ceiling import PHONE_JPEG_TARGET_BYTES, ProcessCpu, near_free_onnx, phone_jpeg, process_role, small_png
+from inference.engines import OnnxClassifier
+
+
+def test_near_free_model_takes_any_batch_and_shape_and_gives_1000_probabilities(tmp_path):
+    engine = OnnxClassifier(str(near_free_onnx(tmp_path / "m.onnx")), 127.0, 128.0)
+    rng = np.random.default_rng(0)
+    for shape in ((1, 260, 260, 3), (4, 260, 346, 3), (2, 346, 260, 3)):
+        probs = engine.predict(rng.integers(0, 256, shape, dtype=np.uint8))
+        assert probs.shape == (shape[0], 1000) and np.allclose(probs.sum(axis=1), 1.0, atol=1e-4)
+    # Not a constant: the answer follows the image's mean colour.
+    dark, bright = engine.predict(np.stack([np.zeros((260, 260, 3), np.uint8), np.full((260, 260, 3), 255, np.uint8)]))
+    assert not np.allclose(dark, bright)
+
+
+def test_phone_jpeg_lands_near_500_kb_and_the_png_is_260_square():
+    body, info = phone_jpeg()
+    assert abs(len(body) - PHONE_JPEG_TARGET_BYTES) < 0.1 * PHONE_JPEG_TARGET_BYTES, info
+    assert Image.open(io.BytesIO(body)).size == (1600, 1200) and body == phone_jpeg()[0]  # deterministic
+    png, _ = small_png()
+    image = Image.open(io.BytesIO(png))
+    assert image.format == "PNG" and image.size == (260, 260)
+
+
+def test_roles_of_a_server_tree_and_the_cpu_they_spend():
+    """A stand-in tree shaped like ``bentoml serve``'s: an entry worker with a child (its decode pool),
+    a runner; the entry worker burns CPU, and only its role is charged for it."""
+    entry = subprocess.Popen(["bash", "-c", "sleep 30 & while :; do :; done",
+                              "--service-name", "rampart"])
+    runner = subprocess.Popen(["bash", "-c", "sleep 30; :", "--service-name", "rampart_primary"])
+    try:
+        time.sleep(0.2)
+        entry_process = psutil.Process(entry.pid)
+        (pool_child,) = entry_process.children()
+        assert process_role(entry_process, set()) == "api"
+        assert process_role(psutil.Process(runner.pid), set()) == "runners"
+        assert process_role(pool_child, {entry.pid}) == "decode_pool"
+        assert process_role(psutil.Process(), set()) == "supervisor"
+
+        meter = ProcessCpu(psutil.Process().pid, "supervisor")  # this test's process is the tree's root
+        meter.start()
+        time.sleep(0.6)
+        roles = meter.stop()
+        assert roles["api"]["processes"] == 1 and roles["runners"]["processes"] == 1, roles
+        assert roles["decode_pool"]["processes"] == 1, roles
+        assert roles["api"]["cpu_s"] > 0.1 and roles["runners"]["cpu_s"] < 0.05, roles
+    finally:
+        for process in (entry, runner):
+            for child in psutil.Process(process.pid).children(recursive=True):
+                child.kill()
+            process.kill()
+            process.wait()
