@@ -240,7 +240,7 @@ class ModelLane:
         """Seconds of runner silence after which a timeout counts as a failure: ``STALL_BATCHES`` full
         batches at the time per image measured at the last response (before any: now; 0 unmeasured)."""
         ms = self._ms_per_image_at_response or self.gate.meter.ms_per_image or 0.0
-        return self.STALL_BATCHES * self.gate.max_batch_size * ms / 1000.0
+        return self.STALL_BATCHES * self.gate.batch_share * ms / 1000.0  # this worker's share at its speed
 
     def _record(self, ok: bool | None, kind: str = "") -> None:
         """Tell the breaker: ``ok`` for a call that reached the model, ``None`` for one that did not;
