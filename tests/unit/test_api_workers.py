@@ -99,3 +99,55 @@ def test_settings_refuse_more_workers_than_a_batch_has_images_and_share_the_deco
     assert Settings(decode_workers=2, api_workers=2).decode_workers_per_api_worker == 1
     assert Settings(decode_workers=8, api_workers=3).decode_workers_per_api_worker == 2
     assert Settings(decode_workers=1, api_workers=4).decode_workers_per_api_worker == 1  # never none
+
+
+#: Two entry workers, as ``bentoml serve`` starts them: children of one parent (the arbiter), each with
+#: ``--service-name rampart`` in its command line. The first marks itself ready and waits; the second
+#: asks before and after marking itself, and after unmarking (a drain).
+_WORKER = """
+import sys, time
+from rampart.api.lifecycle import _ready_marks, all_entry_workers_ready, mark_worker_ready
+if sys.argv[1] == "first":
+    mark_worker_ready()
+    time.sleep(30)
+else:
+    end = time.monotonic() + 20
+    while not (_ready_marks().exists() and any(_ready_marks().iterdir())) and time.monotonic() < end:
+        time.sleep(0.05)
+    before = all_entry_workers_ready(2)
+    mark_worker_ready()
+    print(before, all_entry_workers_ready(2), all_entry_workers_ready(3), end=" ")
+    mark_worker_ready(False)
+    print(all_entry_workers_ready(2), all_entry_workers_ready(1))
+"""
+_ARBITER = """
+import subprocess, sys
+first = subprocess.Popen([sys.executable, "-c", WORKER, "first", "--service-name", "rampart"])
+try:
+    second = subprocess.run([sys.executable, "-c", WORKER, "second", "--service-name", "rampart"],
+                            capture_output=True, text=True, timeout=60)
+    print(second.stdout.strip() or second.stderr)
+finally:
+    first.kill()
+    first.wait()
+"""
+
+
+def test_readyz_waits_for_every_entry_worker():
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from tests.support import ROOT
+
+    arbiter = subprocess.Popen([sys.executable, "-c", _ARBITER.replace("WORKER", repr(_WORKER))], cwd=ROOT,
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        out, _ = arbiter.communicate(timeout=90)
+    finally:
+        shutil.rmtree(Path(tempfile.gettempdir()) / f"rampart-ready-{arbiter.pid}", ignore_errors=True)
+    # Not ready while one of two is warm; ready when both are; not with fewer alive than expected;
+    # not once one drains; one worker is never checked.
+    assert out.split() == ["False", "True", "False", "False", "True"], out
