@@ -39,8 +39,11 @@ speed. From then on the meter measures this worker's own completions over its ow
 busy time, which is its share of the model whatever the others do: about ``C/N``
 while every worker is busy, up to ``C`` while it is the only one. So the wait
 queue (throughput × delay) and the prediction (images ahead × time per image) of
-each worker count its own share of the runner's work. Why this and not a shared
-counter or admission in the runner: README, "Overload control".
+each worker count its own share of the runner's work. A worker less busy than the
+others over-predicts (its time per image also holds the others' images its requests
+waited behind: at worst about 2× with one request of its own) and sheds early, to the
+fallback; it never under-predicts. Why this and not a shared counter or admission
+in the runner: README, "Overload control".
 """
 
 from __future__ import annotations
@@ -240,8 +243,8 @@ class AdmissionGate:
     dispatch places and counts ``max_batch_size // workers`` images as its share of a
     batch (``batch_share``), at least 1 each (``Settings`` refuses more workers than
     the smaller ``max_batch_size``, so the gates' shares and windows never add up to
-    more than the runner's). Its ``meter`` should have ``share=1/workers``. ``has_room(high, budget_s)`` answers on arrival
-    whether a request would get a place; ``reserve(high, budget_s)``, once its body
+    more than the runner's). Its ``meter`` should have ``share=1/workers``.
+    ``has_room(high, budget_s)`` answers on arrival whether a request would get a place; ``reserve(high, budget_s)``, once its body
     is in, returns a ``Ticket`` or raises ``Shed`` (both decide with ``refusal``);
     ``async with ticket.turn():`` goes around the runner call.
     """
