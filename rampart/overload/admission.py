@@ -42,7 +42,8 @@ queue (throughput × delay) and the prediction (images ahead × time per image) 
 each worker count its own share of the runner's work. A worker less busy than the
 others over-predicts (its time per image also holds the others' images its requests
 waited behind: at worst about 2× with one request of its own) and sheds early, to the
-fallback; it never under-predicts. Why this and not a shared counter or admission
+fallback. One that earned the full speed while alone under-predicts for a few τ
+once the others get busy (the re-check at dispatch and the deadline catch it). Why this and not a shared counter or admission
 in the runner: README, "Overload control".
 """
 
