@@ -37,7 +37,8 @@ from rampart.api.arrival import bound_inflight, stamp_arrivals
 from rampart.api.bentoml_api import CLASSIFY_API_ROUTE, CLASSIFY_DOC, ClassifyAnswer, ImageUpload, documented
 from rampart.api.bentoml_fixes import bound_endpoint_labels, cancel_request_timers, keep_runner_sockets_until_stopped
 from rampart.api.headlimit import limit_request_heads
-from rampart.api.lifecycle import ENTRY_SERVICE_NAME, Lifecycle, intercept_exit_signals
+from rampart.api.lifecycle import ENTRY_SERVICE_NAME, Lifecycle, all_entry_workers_ready, intercept_exit_signals
+from rampart.api.lifecycle import mark_worker_ready
 from rampart.api.lifecycle import logger as lifecycle_log
 from rampart.api.routing import JSONRouteErrors
 from rampart.config import get_settings
@@ -189,8 +190,9 @@ class Rampart:
         return await runner_stats(self.primary if role == "primary" else self.fallback)
 
     async def __is_ready__(self) -> bool:
-        """``/readyz``: 200 once both runners have warmed up, 503 again from SIGTERM on (the drain)."""
-        return state_of(http_app).ready()
+        """``/readyz``: 200 once both runners have warmed up and every API worker is ready, 503 again from
+        SIGTERM on (the drain)."""
+        return state_of(http_app).ready() and all_entry_workers_ready(settings.api_workers)
 
     @bentoml.on_startup
     async def start_lifecycle(self) -> None:
@@ -220,6 +222,7 @@ class Rampart:
                 warmup[role] = counters.get("warmup_s", 0.0)
         await self.classifier.warm_up_decoders()
         self.lifecycle.mark_ready()
+        mark_worker_ready()  # for the other API workers' /readyz (all_entry_workers_ready)
         since_start_s = time.time() - psutil.Process().create_time()
         lifecycle_log.info("Rampart ready: both runners warm %.1f s after this worker started (warm-up: %s)",
                     since_start_s, ", ".join(f"{role} {s:.1f} s" for role, s in warmup.items()) or "in-process")
@@ -227,6 +230,7 @@ class Rampart:
     async def drain(self, signum: int) -> None:
         """On SIGTERM: refuse new requests (503) and wait for the admitted ones, at most ``max_deadline_ms``."""
         self.lifecycle.begin_drain()
+        mark_worker_ready(False)
         started = time.monotonic()
         lifecycle_log.info("signal %d: draining %d request(s) in flight, refusing new ones (at most %d ms)",
                     signum, self.lifecycle.in_flight, settings.max_deadline_ms)

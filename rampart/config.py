@@ -48,10 +48,13 @@ class Settings(BaseModel):
     crop_margin: float = Field(1.14, ge=1.0, le=2.0)
 
     # Processes of the entry (API) service that accept HTTP requests (`bentoml.service(workers=...)`).
-    # How admission shares the runners between them: README "Overload control".
+    # Each has its own admission gates, which divide the runners' capacity between the workers
+    # (rampart.overload.admission; why: README "Overload control"). At most the smaller max_batch_size,
+    # so every worker's gate keeps at least one image of each batch and their shares add up to the runner's.
     api_workers: int = Field(1, ge=1)
 
-    # Decode pool: workers and how many uploads may wait for one. Waiting uploads hold only
+    # Decode pool: workers on the host (shared between the API workers: `decode_workers_per_api_worker`)
+    # and how many uploads may wait for one. Waiting uploads hold only
     # their compressed bytes (already read); decoded pixels exist only in workers.
     # "processes": each worker is a process, killed and replaced when a decode overruns
     # decode_timeout_ms (its slot is free again at once); "threads": workers are threads
@@ -173,6 +176,24 @@ class Settings(BaseModel):
                 f"default_deadline_ms={self.default_deadline_ms} exceeds max_deadline_ms={self.max_deadline_ms}"
             )
         return self
+
+    @model_validator(mode="after")
+    def _workers_fit_the_batches(self) -> "Settings":
+        smallest = min(self.primary_max_batch_size, self.fallback_max_batch_size)
+        if self.api_workers > smallest:
+            raise ValueError(f"api_workers={self.api_workers} exceeds the smaller max_batch_size ({smallest}): "
+                             "the workers' admission gates would together hold more than the runner's batches")
+        return self
+
+    @property
+    def decode_workers_per_api_worker(self) -> int:
+        """Decode workers each API worker starts: ``decode_workers // api_workers``, at least 1.
+
+        ``decode_workers`` counts decoders on the whole host, so adding API workers does
+        not multiply the decode processes competing for the same cores (only when there
+        are more API workers than ``decode_workers`` does each still get one).
+        """
+        return max(1, self.decode_workers // self.api_workers)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":

@@ -100,6 +100,14 @@ class ModelLane:
     measured throughput is then low), would have answered something. The
     throughput is taken as of the last response because the meter itself falls
     while a hung model completes nothing, which would push the limit away.
+
+    With several API workers a lane sees only its own worker's responses, and the
+    runner may compute the other workers' batches in between: a full batch at this
+    worker's measured speed (its share, about 1/N of the runner's) lasts N runner
+    batches, the time the others' batches can keep it waiting. (Counted with its
+    ``batch_share`` instead, one runner batch, a worker of 2 under 5x overload counted
+    5 "stalled" timeouts while the runner was answering the other worker, and opened
+    its breaker.)
     """
 
     #: Silence, in full batches at the measured speed, after which a timeout means "hung", not "busy".
@@ -240,7 +248,7 @@ class ModelLane:
         """Seconds of runner silence after which a timeout counts as a failure: ``STALL_BATCHES`` full
         batches at the time per image measured at the last response (before any: now; 0 unmeasured)."""
         ms = self._ms_per_image_at_response or self.gate.meter.ms_per_image or 0.0
-        return self.STALL_BATCHES * self.gate.max_batch_size * ms / 1000.0
+        return self.STALL_BATCHES * self.gate.max_batch_size * ms / 1000.0  # N runner batches with N workers
 
     def _record(self, ok: bool | None, kind: str = "") -> None:
         """Tell the breaker: ``ok`` for a call that reached the model, ``None`` for one that did not;

@@ -108,11 +108,11 @@ def decode_limits(settings: Settings, buckets: list[Bucket]) -> DecodeLimits:
 
 
 def decode_pool(settings: Settings) -> BoundedPool:
-    """The decode pool the settings ask for: ``decode_mode`` processes (forkserver preloaded
-    with the decode code) or threads, ``decode_workers`` of them at ``decode_nice``, and a wait
+    """This API worker's decode pool: ``decode_mode`` processes (forkserver preloaded with the decode
+    code) or threads, ``Settings.decode_workers_per_api_worker`` of them at ``decode_nice``, and a wait
     queue of ``decode_queue`` uploads (unbounded with ``admission`` ``off``, an experiment's setting)."""
     queue = sys.maxsize if settings.admission == "off" else settings.decode_queue
-    return BoundedPool(settings.decode_workers, queue, nice=settings.decode_nice,
+    return BoundedPool(settings.decode_workers_per_api_worker, queue, nice=settings.decode_nice,
                        processes=settings.decode_mode == "processes", preload=("rampart.inputs.decode_job",))
 
 
@@ -139,9 +139,11 @@ class Classifier:
         self.settings = settings
         self.pool = pool
         tau_s = settings.throughput_tau_ms / 1000
+        workers = settings.api_workers  # each API worker's gates get 1/workers of each runner (admission module doc)
         self.primary = ModelLane("primary", primary, AdmissionGate(
             primary.name, settings.primary_max_batch_size, settings.primary_concurrent_batches,
-            settings.primary_queue_delay_ms, ThroughputMeter(settings.primary_throughput_ips, tau_s), settings.admission,
+            settings.primary_queue_delay_ms, ThroughputMeter(settings.primary_throughput_ips, tau_s, share=1 / workers),
+            workers=workers, mode=settings.admission,
         ), CircuitBreaker(
             window_s=settings.breaker_window_ms / 1000, min_calls=settings.breaker_min_calls,
             failure_rate=settings.breaker_failure_rate, open_s=settings.breaker_open_ms / 1000,
@@ -149,7 +151,8 @@ class Classifier:
         ), Share.ALL if settings.routing == "primary-only" else Share.PRIMARY)
         self.fallback = ModelLane("fallback", fallback, AdmissionGate(
             fallback.name, settings.fallback_max_batch_size, settings.fallback_concurrent_batches,
-            settings.fallback_queue_delay_ms, ThroughputMeter(settings.fallback_throughput_ips, tau_s), settings.admission,
+            settings.fallback_queue_delay_ms, ThroughputMeter(settings.fallback_throughput_ips, tau_s, share=1 / workers),
+            workers=workers, mode=settings.admission,
         ), None, Share.ALL)
         self.cascade = settings.routing == "cascade"
         #: The lanes in the order the routing asks them (admission takes a place with the first that has room).
@@ -258,7 +261,7 @@ class Classifier:
         buffer = io.BytesIO()
         Image.fromarray(pixels).save(buffer, format="JPEG", quality=90)
         data = buffer.getvalue()
-        jobs = [self.pool.run(prepare, data, self.plan) for _ in range(self.settings.decode_workers)]
+        jobs = [self.pool.run(prepare, data, self.plan) for _ in range(self.pool.workers)]
         for outcome in await asyncio.gather(*jobs, return_exceptions=True):
             if isinstance(outcome, BaseException):
                 logger.warning("decoder warm-up failed: %s: %s", type(outcome).__name__, outcome)

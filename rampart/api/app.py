@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -268,9 +269,23 @@ def batch_timings_ms(results: list[dict], total_ms: float) -> dict[str, float]:
     return {**stages, "total": round(total_ms, 1)}
 
 
+def api_worker(settings: Settings) -> dict:
+    """Which API worker answers: ``index`` (BentoML's worker id, 1..``of``; None outside ``bentoml serve``),
+    ``pid`` and ``of`` (``api_workers``). With several workers, ``/stats`` is that worker's own state."""
+    from bentoml._internal.context import server_context  # BentoML sets worker_index in each worker
+
+    return {"index": server_context.worker_index, "pid": os.getpid(), "of": settings.api_workers}
+
+
 async def stats(request: Request, state: AppState) -> Response:
-    """``GET /stats``: admission queues, measured throughput, breaker state, runner counters."""
+    """``GET /stats``: admission queues, measured throughput, breaker state, runner counters.
+
+    One API worker's view (``api_worker``): its gates, breaker, cache, decoders and
+    requests in flight; the runners' counters are the runners' own, shared by all
+    workers. Rampart's Prometheus metrics on ``/metrics`` add up every worker.
+    """
     body = state.classifier.state()
+    body["api_worker"] = api_worker(state.classifier.settings)
     body["lifecycle"] = {"state": state.lifecycle.state, "in_flight": state.lifecycle.in_flight}
     for role in ("primary", "fallback"):
         body[role]["runner"] = await state.runner_stats(role)

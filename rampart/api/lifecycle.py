@@ -32,9 +32,11 @@ import contextvars
 import logging
 import os
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 from rampart.errors import NotReady, ShuttingDown
 
@@ -46,6 +48,9 @@ __all__ = [
     "Lifecycle",
     "intercept_exit_signals",
     "entry_workers_alive",
+    "entry_worker_pids",
+    "mark_worker_ready",
+    "all_entry_workers_ready",
     "wait_for_entry_workers",
 ]
 
@@ -174,27 +179,67 @@ def intercept_exit_signals(drain: Callable[[int], Awaitable[None]]) -> bool:
 _PARENT_PID = os.getppid()
 
 
-def entry_workers_alive() -> int:
-    """How many sibling processes (children of this process's parent, the circus arbiter) are
-    entry-service workers: BentoML starts them with ``--service-name rampart``. 0 once the
-    arbiter is gone (this process was re-parented), since its siblings are then unknown."""
+def entry_worker_pids() -> list[int]:
+    """The pids of the sibling processes (children of this process's parent, the circus arbiter)
+    that are entry-service workers: BentoML starts them with ``--service-name rampart``. Empty
+    once the arbiter is gone (this process was re-parented), since its siblings are then unknown."""
     import psutil
 
     if os.getppid() != _PARENT_PID:
-        return 0
+        return []
     try:
         siblings = psutil.Process(os.getppid()).children()
     except psutil.Error:
-        return 0
-    alive = 0
+        return []
+    pids = []
     for process in siblings:
         try:
             args = process.cmdline()
             if process.status() != psutil.STATUS_ZOMBIE and _names_service(args, ENTRY_SERVICE_NAME):
-                alive += 1
+                pids.append(process.pid)
         except psutil.Error:
             continue  # it exited meanwhile
-    return alive
+    return pids
+
+
+def entry_workers_alive() -> int:
+    """How many entry-service workers are alive (``entry_worker_pids``)."""
+    return len(entry_worker_pids())
+
+
+def _ready_marks() -> Path:
+    """The directory where this ``bentoml serve``'s entry workers mark themselves ready: one per arbiter."""
+    return Path(tempfile.gettempdir()) / f"rampart-ready-{_PARENT_PID}"
+
+
+def mark_worker_ready(ready: bool = True) -> None:
+    """Mark this entry worker ready (warm) for ``all_entry_workers_ready``, or no longer (``ready=False``, drain)."""
+    marks = _ready_marks()
+    mark = marks / str(os.getpid())
+    try:
+        if ready:
+            marks.mkdir(exist_ok=True)
+            mark.touch()
+        else:
+            mark.unlink(missing_ok=True)
+    except OSError as exc:
+        logger.warning("cannot %s the ready mark %s: %s", "write" if ready else "remove", mark, exc)
+
+
+def all_entry_workers_ready(expected: int) -> bool:
+    """Whether every entry worker of this ``bentoml serve`` is alive and marked ready, and there are at least
+    ``expected`` (``api_workers``) of them.
+
+    Each worker answers ``/readyz`` for itself, and they warm up a few hundred ms apart;
+    without this a load balancer (or a test) told "ready" by one worker could send the
+    next request to one that still answers 503 ``not_ready``. A few ms (one ``/proc``
+    scan), only on ``/readyz``; with one worker nothing is checked.
+    """
+    if expected <= 1:
+        return True
+    pids = entry_worker_pids()
+    marks = _ready_marks()
+    return len(pids) >= expected and all((marks / str(pid)).exists() for pid in pids)
 
 
 def _names_service(args: list[str], name: str) -> bool:

@@ -32,6 +32,24 @@ For experiments only (setting ``admission``, README "Ablation"), a gate's ``mode
 switch shedding off in part: ``queue-bound`` refuses only ``queue_full`` (no
 prediction, at arrival or at the turn), ``off`` refuses nothing (an unbounded queue,
 no eviction). ``full``, the default, is everything above.
+
+**Several API workers** (setting ``api_workers``, N). Each worker process has its
+own gate and sees only its own requests, while the runner's queue is shared. The
+runner's capacity is therefore divided between them: a gate built with
+``workers=N`` dispatches at most ``window // N`` images (so all workers together
+never dispatch more than one runner's window), treats ``max_batch_size // N`` images
+as its share of a batch (the queue's least length and the rounding of predictions),
+and its meter (``ThroughputMeter(share=1/N)``) starts from ``1/N`` of the warm-up
+speed. From then on the meter measures this worker's own completions over its own
+busy time, which is its share of the model whatever the others do: about ``C/N``
+while every worker is busy, up to ``C`` while it is the only one. So the wait
+queue (throughput × delay) and the prediction (images ahead × time per image) of
+each worker count its own share of the runner's work. A worker less busy than the
+others over-predicts (its time per image also holds the others' images its requests
+waited behind: at worst about 2× with one request of its own) and sheds early, to the
+fallback. One that earned the full speed while alone under-predicts for a few τ
+once the others get busy (the re-check at dispatch and the deadline catch it). Why this and not a shared counter or admission
+in the runner: README, "Overload control".
 """
 
 from __future__ import annotations
@@ -82,7 +100,9 @@ class ThroughputMeter:
 
     The runner's warm-up (a timed full batch) seeds it, worth one second of
     observation; ``override_ips`` > 0 fixes it instead (setting
-    ``<model>_throughput_ips``). Units: seconds, images, images per second.
+    ``<model>_throughput_ips``). Both are the whole model's speed; ``share`` (0..1]
+    is the part of it this meter's API worker gets while all ``api_workers`` are
+    busy (``1 / api_workers``), and scales both. Units: seconds, images, images per second.
     """
 
     #: Lowest estimate, as a fraction of the warm-up speed. Under overload on the 2-core
@@ -91,8 +111,11 @@ class ThroughputMeter:
     FLOOR_FRACTION = 0.1
 
     def __init__(self, override_ips: float = 0.0, tau_s: float = 5.0, clock=time.monotonic,
-                 floor_fraction: float = FLOOR_FRACTION) -> None:
-        self.override_ips = override_ips
+                 floor_fraction: float = FLOOR_FRACTION, share: float = 1.0) -> None:
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        self.share = share
+        self.override_ips = override_ips * share
         self.tau_s = tau_s
         self.clock = clock
         self.floor_fraction = floor_fraction
@@ -103,9 +126,10 @@ class ThroughputMeter:
         self._last = clock()
 
     def seed(self, ms_per_image: float) -> None:
-        """Start from a warm-up measurement (ms per image at full batch), worth one second of busy time."""
+        """Start from a warm-up measurement of the whole model (ms per image at full batch), worth one second
+        of busy time; this meter's ``share`` of it is the seed."""
         if ms_per_image > 0:
-            self.seed_ips = 1000.0 / ms_per_image
+            self.seed_ips = self.share * 1000.0 / ms_per_image
             if self._busy_s == 0:
                 self._images, self._busy_s = self.seed_ips, 1.0
 
@@ -223,8 +247,13 @@ class AdmissionGate:
 
     ``max_batch_size`` and ``concurrent_batches`` describe the runner;
     ``queue_delay_ms`` is the acceptable queueing delay that sizes the wait queue
-    (never below one batch). ``has_room(high, budget_s)`` answers on arrival
-    whether a request would get a place; ``reserve(high, budget_s)``, once its body
+    (never below one batch). ``workers`` is the number of API worker processes
+    that share the runner, each with its own gate: this gate gets ``window // workers``
+    dispatch places and counts ``max_batch_size // workers`` images as its share of a
+    batch (``batch_share``), at least 1 each (``Settings`` refuses more workers than
+    the smaller ``max_batch_size``, so the gates' shares and windows never add up to
+    more than the runner's). Its ``meter`` should have ``share=1/workers``.
+    ``has_room(high, budget_s)`` answers on arrival whether a request would get a place; ``reserve(high, budget_s)``, once its body
     is in, returns a ``Ticket`` or raises ``Shed`` (both decide with ``refusal``);
     ``async with ticket.turn():`` goes around the runner call. ``mode`` (``ADMISSION_MODES``)
     is ``full`` in production; ``queue-bound`` and ``off`` switch shedding off in part, for
@@ -232,13 +261,19 @@ class AdmissionGate:
     """
 
     def __init__(self, name: str, max_batch_size: int, concurrent_batches: int, queue_delay_ms: float,
-                 meter: ThroughputMeter, mode: str = "full") -> None:
+                 meter: ThroughputMeter, workers: int = 1, mode: str = "full") -> None:
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, got {workers}")
         if mode not in ADMISSION_MODES:
             raise ValueError(f"admission mode {mode!r} is not one of {ADMISSION_MODES}")
         self.name = name
         self.mode = mode
         self.max_batch_size = max_batch_size
-        self.window = (concurrent_batches + 1) * max_batch_size
+        self.workers = workers
+        #: This worker's share of one runner batch: images it counts as a batch.
+        self.batch_share = max(1, max_batch_size // workers)
+        #: This worker's share of the runner's dispatch window (one batch computing, one forming, per worker).
+        self.window = max(1, (concurrent_batches + 1) * max_batch_size // workers)
         self.queue_delay_ms = queue_delay_ms
         self.meter = meter
         self.dispatched = 0
@@ -252,11 +287,11 @@ class AdmissionGate:
 
     @property
     def queue_limit(self) -> int:
-        """Most requests that may wait: throughput × ``queue_delay_ms``, at least one batch."""
+        """Most requests that may wait: throughput × ``queue_delay_ms``, at least one batch (``batch_share``)."""
         ips = self.meter.ips
         if ips is None:
-            return self.max_batch_size
-        return max(self.max_batch_size, int(ips * self.queue_delay_ms / 1000.0))
+            return self.batch_share
+        return max(self.batch_share, int(ips * self.queue_delay_ms / 1000.0))
 
     def predicted_s(self, high: bool) -> float:
         """Predicted seconds until a request arriving now with priority ``high`` is answered.
@@ -271,13 +306,14 @@ class AdmissionGate:
 
         ``images`` × the measured time per image; when at least a full batch is in
         line, rounded up to whole batches, because a batch is answered only when all
-        of it is done. 0 before anything was measured.
+        of it is done (this worker's images and time per image, so its ``batch_share``).
+        0 before anything was measured.
         """
         ms = self.meter.ms_per_image
         if ms is None:
             return 0.0
-        if images > self.max_batch_size:
-            images = math.ceil(images / self.max_batch_size) * self.max_batch_size
+        if images > self.batch_share:
+            images = math.ceil(images / self.batch_share) * self.batch_share
         return images * ms / 1000.0
 
     def refusal(self, high: bool, budget_s: float) -> Shed | None:
@@ -345,8 +381,8 @@ class AdmissionGate:
         floor = self.meter.floor_ips
         if floor is None:
             return 1.0
-        queue_limit = max(self.max_batch_size, int(floor * self.queue_delay_ms / 1000.0))
-        images = math.ceil((self.window + queue_limit) / self.max_batch_size) * self.max_batch_size
+        queue_limit = max(self.batch_share, int(floor * self.queue_delay_ms / 1000.0))
+        images = math.ceil((self.window + queue_limit) / self.batch_share) * self.batch_share
         return max(1.0, math.ceil(images / floor))
 
     def retry_after_s(self) -> float:

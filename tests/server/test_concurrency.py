@@ -1,10 +1,15 @@
-"""400 requests in flight at once: all answered, no 5xx, real adaptive batches.
+"""400 requests in flight at once: all answered, no 5xx, real adaptive batches, with 2 API workers.
 
 With the default queueing delay (200 ms) most of 400 simultaneous requests would be
 shed (429, see tests/server/test_overload.py); here the server accepts a minute of
 queueing, so every request must be answered, by the primary, in real batches.
 This is also the regression test for the BentoML dependency-proxy defect of
 1.4.30-1.4.40 (see README, "Why BentoML 1.4.29").
+
+The server runs 2 API workers (``RAMPART_API_WORKERS=2``), the harder configuration:
+two admission gates share each runner, and Rampart's metrics on ``/metrics`` must
+count both workers' answers whichever worker serves the scrape. One worker is
+covered by the session server and the rest of the suite.
 """
 
 from __future__ import annotations
@@ -32,7 +37,8 @@ def batch_size_counts(metrics: str, service: str) -> dict[float, float]:
 
 
 def test_400_in_flight_all_answered_with_batching(start_server):
-    server = start_server(RAMPART_PRIMARY_QUEUE_DELAY_MS=60000, RAMPART_FALLBACK_QUEUE_DELAY_MS=60000)
+    server = start_server(RAMPART_API_WORKERS=2, RAMPART_PRIMARY_QUEUE_DELAY_MS=60000,
+                          RAMPART_FALLBACK_QUEUE_DELAY_MS=60000)
     images = [(name, encode(photo(name))) for name in sorted(PHOTOS)]
 
     async def drive() -> list[tuple[str, httpx.Response]]:
@@ -57,3 +63,12 @@ def test_400_in_flight_all_answered_with_batching(start_server):
     assert counts, "no adaptive batch-size samples for the primary"
     total, size_one = max(counts.values()), counts.get(1.0, 0.0)
     assert total > size_one, f"every primary batch had size 1: {counts}"
+
+    # Both workers answered, and the metrics add up their answers (prometheus_client multiprocess files).
+    api_pids = {re.search(r'pid="(\d+)"', line)[1] for line in metrics.splitlines()
+                if line.startswith("rampart_process_resident_memory_bytes{") and 'role="api"' in line}
+    assert len(api_pids) == 2, api_pids
+    answered = re.search(r'^rampart_responses_total\{code="ok",status="200"\} (\S+)$', metrics, re.M)
+    assert answered and float(answered[1]) == IN_FLIGHT, answered
+    worker = httpx.get(f"{server.url}/stats").json()["api_worker"]  # /stats is one worker's own view
+    assert worker["of"] == 2 and worker["index"] in (1, 2) and str(worker["pid"]) in api_pids, worker

@@ -1,18 +1,24 @@
-"""Overload on a real server: capacity, 5× open-loop Poisson load, priority under a burst.
+"""Overload on a real server: priority under a burst, capacity, 5× open-loop Poisson load; 1 and 2 API workers.
 
 The load comes from ``bench.loadgen`` (aiohttp) in this test process, separate from
 the server's processes. Nothing here asserts a wall-clock time: capacity is
 measured in the same run, and the deadline checks are the API's contract
 ("answered by the deadline plus the documented slack").
+
+The burst and the second 5× run use one server with ``RAMPART_API_WORKERS=2``, where
+two admission gates divide each runner between them (README, "Overload control");
+the burst comes first, on the fresh server. The first 5× run uses the session server
+(1 worker).
 """
 
 from __future__ import annotations
 
 import asyncio
-import math
+import re
 
 import httpx
 import numpy as np
+import pytest
 
 from bench.loadgen import burst, closed_loop, load_bodies, open_loop, summarize
 from tests.support import SLACK_MS
@@ -22,51 +28,37 @@ CAPACITY_SECONDS = 6.0
 OVERLOAD_FACTOR = 5.0
 OVERLOAD_SECONDS = 20.0
 DEADLINE_MS = 1000
+#: Least goodput at 5 × C, as a share of C, by API workers. With 2 workers on the shared 2-core host
+#: it measured 0.80-0.94 (README, "Overload control"), short of the 0.9 one worker keeps: each worker's
+#: gate holds 1/2 of each runner, and the connections a worker holds are not split evenly.
+MIN_GOODPUT = {1: 0.9, 2: 0.75}
 
 
-def test_five_times_capacity_open_loop(server):
-    bodies = load_bodies()
-    capacity = summarize(asyncio.run(closed_loop(f"{server.url}/classify", bodies, CAPACITY_CLIENTS, CAPACITY_SECONDS)),
-                         CAPACITY_SECONDS)
-    c = capacity["throughput_rps"]
-    assert c > 0 and capacity["errors_5xx"] == 0, capacity
-
-    samples = asyncio.run(open_loop(f"{server.url}/classify", bodies, OVERLOAD_FACTOR * c, OVERLOAD_SECONDS,
-                                    deadline_ms=DEADLINE_MS, seed=1))
-    result = summarize(samples, OVERLOAD_SECONDS, slack_ms=SLACK_MS)
-    report = {"capacity_rps": c, **result}
-    assert result["requests"] >= 0.8 * OVERLOAD_FACTOR * c * OVERLOAD_SECONDS, report  # the load really was offered
-    assert result["errors_5xx"] == 0 and result["failed"] == 0, report
-    assert {s.status for s in samples} <= {200, 429}, report  # every request answered: a result or a shed
-    late = [(round(s.sent_s, 2), round(s.latency_ms), s.server_ms, s.status, s.degraded_reason) for s in samples
-            if s.latency_ms > s.deadline_ms + SLACK_MS]
-    assert not late, (report, late[:20])
-    # Served: a 200 within the deadline, full or degraded (the static answer is the chain's last step).
-    served = [s for s in samples if s.status == 200 and s.latency_ms <= s.deadline_ms]
-    assert len(served) >= 0.9 * c * OVERLOAD_SECONDS, report
-    shed = [s.latency_ms for s in samples if s.status == 429]
-    full = [s.latency_ms for s in samples if s.status == 200 and s.degraded_reason is None]
-    assert shed and full, report
-    assert np.median(shed) < 0.1 * np.median(full), report  # shedding is cheap next to serving
-
-    stats = httpx.get(f"{server.url}/stats", timeout=10).json()
-    assert stats["primary"]["breaker"] == "closed", stats  # overload alone never opens the breaker
-    for role in ("primary", "fallback"):
-        assert isinstance(stats[role]["runner"]["ttl_dropped"], int), stats
+@pytest.fixture(scope="module")
+def two_workers(start_server):
+    """A fresh server with 2 API workers, stopped when this module ends."""
+    return start_server(RAMPART_API_WORKERS=2)
 
 
-def test_high_priority_burst_is_shed_less_and_served_more(start_server):
-    """400 requests at once, one in ten ``X-Priority: high``, on a fresh server.
+def breaker_states(server) -> dict[str, float]:
+    """``rampart_circuit_breaker_state`` per model from ``/metrics``: the worst of the API workers' breakers."""
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    return {m[1]: float(m[2]) for m in re.finditer(r'^rampart_circuit_breaker_state\{model="(\w+)"\} (\S+)$', text, re.M)}
 
-    On the 2-core host such a burst is served only in part: the API worker's event
-    loop, the decoders and both models share two cores, and a share of the admitted
+
+def test_high_priority_burst_is_shed_less_and_served_more(two_workers):
+    """400 requests at once, one in ten ``X-Priority: high``, on a fresh server with 2 API workers.
+
+    On the 2-core host such a burst is served only in part: the API workers' event
+    loops, the decoders and both models share two cores, and a share of the admitted
     requests end with the static answer (README, "Overload control"). What priority
     promises is the order: a high request is refused less often than a normal one
     and carries a model's labels more often, and every answer still comes by the
     deadline. (An earlier form compared P99 latencies; with about one answered
-    normal request per burst that comparison measured noise.)
+    normal request per burst that comparison measured noise.) Each worker's gate
+    orders its own requests.
     """
-    server = start_server()  # its own server: the 5x overload above leaves gates and meters warm
+    server = two_workers  # fresh: a 5x overload would leave gates and meters warm
     bodies = load_bodies()
     samples = asyncio.run(burst(f"{server.url}/classify", bodies, 400, DEADLINE_MS, high_every=10))
     assert all(s.status in (200, 429) for s in samples)
@@ -85,3 +77,43 @@ def test_high_priority_burst_is_shed_less_and_served_more(start_server):
     late = [(s.high, round(s.latency_ms), s.status, s.degraded_reason) for s in samples
             if s.latency_ms > s.deadline_ms + SLACK_MS]
     assert not late, (report, late[:20])
+
+
+@pytest.fixture(params=[1, 2], ids=["1_worker", "2_workers"])
+def overload_server(request):
+    """(server, API workers): the session server, or the 2-worker server after its burst."""
+    return request.getfixturevalue("server" if request.param == 1 else "two_workers"), request.param
+
+
+def test_five_times_capacity_open_loop(overload_server):
+    server, workers = overload_server
+    bodies = load_bodies()
+    capacity = summarize(asyncio.run(closed_loop(f"{server.url}/classify", bodies, CAPACITY_CLIENTS, CAPACITY_SECONDS)),
+                         CAPACITY_SECONDS)
+    c = capacity["throughput_rps"]
+    assert c > 0 and capacity["errors_5xx"] == 0, capacity
+
+    samples = asyncio.run(open_loop(f"{server.url}/classify", bodies, OVERLOAD_FACTOR * c, OVERLOAD_SECONDS,
+                                    deadline_ms=DEADLINE_MS, seed=1))
+    result = summarize(samples, OVERLOAD_SECONDS, slack_ms=SLACK_MS)
+    report = {"capacity_rps": c, **result}
+    assert result["requests"] >= 0.8 * OVERLOAD_FACTOR * c * OVERLOAD_SECONDS, report  # the load really was offered
+    assert result["errors_5xx"] == 0 and result["failed"] == 0, report
+    assert {s.status for s in samples} <= {200, 429}, report  # every request answered: a result or a shed
+    late = [(round(s.sent_s, 2), round(s.latency_ms), s.server_ms, s.status, s.degraded_reason) for s in samples
+            if s.latency_ms > s.deadline_ms + SLACK_MS]
+    assert not late, (report, late[:20])
+    # Served: a 200 within the deadline, full or degraded (the static answer is the chain's last step).
+    served = [s for s in samples if s.status == 200 and s.latency_ms <= s.deadline_ms]
+    assert len(served) >= MIN_GOODPUT[workers] * c * OVERLOAD_SECONDS, report
+    shed = [s.latency_ms for s in samples if s.status == 429]
+    full = [s.latency_ms for s in samples if s.status == 200 and s.degraded_reason is None]
+    assert shed and full, report
+    assert np.median(shed) < 0.1 * np.median(full), report  # shedding is cheap next to serving
+
+    assert breaker_states(server) == {"primary": 0.0}, report  # overload alone opens no worker's breaker
+    stats = httpx.get(f"{server.url}/stats", timeout=10).json()  # one worker's view; the runners' own counters
+    assert stats["api_worker"]["of"] == workers, stats
+    for role in ("primary", "fallback"):
+        assert isinstance(stats[role]["runner"]["ttl_dropped"], int), stats
+
