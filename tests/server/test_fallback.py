@@ -16,16 +16,65 @@ from tests.support import PHOTOS, SLACK_MS, encode, photo
 DEADLINE_MS = 800
 
 
+def write_faults(path, **faults) -> None:
+    """Replace the fault file atomically (the runners re-read it when it changes)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(faults))
+    os.replace(tmp, path)
+
+
 @pytest.fixture(scope="module")
-def slow_server(start_server):
+def fault_file_server(start_server, tmp_path_factory):
+    """One server whose model faults each test sets through RAMPART_FAULT_FILE: (server, fault file).
+
+    Its breaker never opens (the drill below has its own server for that), so every answer
+    shows the fault it met; the tests that fail both models send bytes this server has not
+    answered before, so the answer cache has nothing for them.
+    """
+    faults = tmp_path_factory.mktemp("faults") / "faults.json"
+    write_faults(faults)
+    server = start_server(RAMPART_FAULT_FILE=str(faults), RAMPART_BREAKER_MIN_CALLS=1_000_000)
+    yield server, faults
+    write_faults(faults)
+
+
+@pytest.fixture
+def faulty(fault_file_server):
+    """``faulty(**faults)`` puts these faults in force on the shared fault-file server and returns it;
+    they end with the test. The tests that make the primary slow come last in this module, so no
+    other test waits behind a 3 s batch."""
+    server, faults = fault_file_server
+
+    def with_faults(**in_force):
+        write_faults(faults, **in_force)
+        return server
+
+    yield with_faults
+    write_faults(faults)
+
+
+@pytest.fixture
+def slow_server(faulty):
     """The primary takes 3 s per batch: far beyond any deadline used here."""
-    return start_server(RAMPART_FAULT_PRIMARY_DELAY_MS=3000)
+    return faulty(fault_primary_delay_ms=3000)
 
 
-@pytest.fixture(scope="module")
-def broken_server(start_server):
-    """Both models raise on every batch."""
-    return start_server(RAMPART_FAULT_PRIMARY_ERROR_RATE=1.0, RAMPART_FAULT_FALLBACK_ERROR_RATE=1.0)
+def test_primary_error_falls_back_with_reason(faulty):
+    server = faulty(fault_primary_error_rate=1.0)
+    response = httpx.post(f"{server.url}/classify", content=encode(photo("coffee")), timeout=10)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    assert result["degraded_reason"] == "primary_error" and result["model"]["name"] == "rampart-fallback"
+    assert {label["index"] for label in result["labels"][:3]} & PHOTOS["coffee"]
+
+
+def test_errors_everywhere_give_the_static_answer_not_a_5xx(faulty):
+    broken_server = faulty(fault_primary_error_rate=1.0, fault_fallback_error_rate=1.0)
+    response = httpx.post(f"{broken_server.url}/classify", content=encode(photo("chelsea")), timeout=10)
+    assert response.status_code == 200, response.text
+    result = response.json()
+    assert result["labels"] == [] and result["degraded"] is True
+    assert result["degraded_reason"] == "no_model_available" and result["needs_review"] is True
 
 
 @pytest.mark.parametrize("name", sorted(PHOTOS))
@@ -61,23 +110,6 @@ def test_slow_primary_is_flagged_degraded_in_open_inference_protocol_parameters(
     assert elapsed_ms <= DEADLINE_MS + SLACK_MS
 
 
-def test_errors_everywhere_give_the_static_answer_not_a_5xx(broken_server):
-    response = httpx.post(f"{broken_server.url}/classify", content=encode(photo("chelsea")), timeout=10)
-    assert response.status_code == 200, response.text
-    result = response.json()
-    assert result["labels"] == [] and result["degraded"] is True
-    assert result["degraded_reason"] == "no_model_available" and result["needs_review"] is True
-
-
-def test_primary_error_falls_back_with_reason(start_server):
-    server = start_server(RAMPART_FAULT_PRIMARY_ERROR_RATE=1.0)
-    response = httpx.post(f"{server.url}/classify", content=encode(photo("coffee")), timeout=10)
-    assert response.status_code == 200, response.text
-    result = response.json()
-    assert result["degraded_reason"] == "primary_error" and result["model"]["name"] == "rampart-fallback"
-    assert {label["index"] for label in result["labels"][:3]} & PHOTOS["coffee"]
-
-
 def test_slow_primary_under_concurrency_answers_every_request_in_time(slow_server):
     """24 requests at once against a primary that takes 3 s per batch: all answered by the deadline."""
     names = sorted(PHOTOS) * 6
@@ -100,13 +132,6 @@ def test_slow_primary_under_concurrency_answers_every_request_in_time(slow_serve
             result = response.json()
             assert result["degraded"] is True and result["model"]["name"] == "rampart-fallback", result
             assert {label["index"] for label in result["labels"][:3]} & PHOTOS[name]
-
-
-def write_faults(path, **faults) -> None:
-    """Replace the fault file atomically (the runners re-read it when it changes)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(faults))
-    os.replace(tmp, path)
 
 
 @pytest.fixture(scope="module")
