@@ -35,7 +35,8 @@ from rampart.api import oip
 from rampart.api.app import attach, classify_endpoint, create_app, refuse_before_admission, route_error_answered, state_of
 from rampart.api.arrival import bound_inflight, stamp_arrivals
 from rampart.api.bentoml_api import CLASSIFY_API_ROUTE, CLASSIFY_DOC, ClassifyAnswer, ImageUpload, documented
-from rampart.api.bentoml_fixes import bound_endpoint_labels, cancel_request_timers, keep_runner_sockets_until_stopped
+from rampart.api.bentoml_fixes import (bound_endpoint_labels, cache_io_media_types, cancel_request_timers,
+                                      keep_runner_sockets_until_stopped)
 from rampart.api.headlimit import limit_request_heads
 from rampart.api.lifecycle import ENTRY_SERVICE_NAME, Lifecycle, all_entry_workers_ready, intercept_exit_signals
 from rampart.api.lifecycle import mark_worker_ready
@@ -59,6 +60,7 @@ stamp_arrivals()  # deadlines count from each request's first byte: see rampart.
 bound_endpoint_labels()  # BentoML labels its traffic metrics with the raw path: see the module
 limit_request_heads()  # uvicorn's httptools protocol accepts request heads of any size: see the module
 keep_runner_sockets_until_stopped()  # BentoML's arbiter deletes the runners' sockets at SIGTERM, before the drain
+cache_io_media_types()  # BentoML rebuilds a JSON schema for every response's media type: see the module
 
 
 def model_endpoint(tag: str, runner) -> ModelEndpoint:

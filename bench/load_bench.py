@@ -38,12 +38,22 @@ each service runs in its own subprocess on 127.0.0.1.
    image (both servers asked one image at a time with a 10 s deadline, so nothing is
    degraded). ``--cascade-only`` runs just this scenario and writes ``cascade.json``.
 
-7. **Near-free-model ceiling** (``bench.ceiling``): a model that costs almost nothing, imported
+7. **Knee ratios and CPU budget** (issue 13). Each ramp step also counts *full* answers
+   per second (``full_rps``: from the primary, not degraded); Rampart's *primary-path
+   knee* (``primary_knee``) is the step with the most of them at P99 ≤ SLO and ≤ 1%
+   errors. ``knee_ratios`` divides it by the raw primary ceiling at its best batch size
+   and by every baseline's knee that ran. ``cpu_budget`` is one more step at the
+   primary-path knee's client count with the server's CPU per request by process
+   (measured) and by stage (py-spy samples, when installed): ``bench.cpu_budget``.
+   ``--knee-only`` runs just steps 1, 2 (up to 64 clients), the budget and the baselines'
+   ramps, about 5 minutes, and writes ``knee.json``.
+
+8. **Near-free-model ceiling** (``bench.ceiling``): a model that costs almost nothing, imported
    through the "your own model" path, served by Rampart with 1 and 2 API workers and by the
    naive baseline; requests/s and CPU µs per request by process role, for a ~500 KB phone
    JPEG and a 260×260 PNG. ``--ceiling-only`` runs just this and writes ``ceiling.json``.
 
-8. **Ablation** (``bench.ablation``, not part of the full run): one open-loop overload at 5x
+9. **Ablation** (``bench.ablation``, not part of the full run): one open-loop overload at 5x
    capacity, repeated with one overload mechanism added per arm; ``--ablation-only`` runs it
    and writes ``ablation.json`` and ``ablation.png``.
 
@@ -200,8 +210,54 @@ def ramp(service: Service, bodies: list[bytes], clients: list[int], step_s: floa
         summary = summarize(samples, step_s)
         steps.append({"clients": n, **{k: summary[k] for k in ("throughput_rps", "p50_ms", "p90_ms", "p99_ms",
                                                                 "degraded_rate")},
+                      "full_rps": round(summary["full"] / step_s, 2),
                       "error_rate": round(1 - summary["ok"] / max(summary["requests"], 1), 4)})
-    return {"steps": steps, "knee": knee(steps)}
+    return {"steps": steps, "knee": knee(steps), "primary_knee": primary_knee(steps)}
+
+
+def primary_knee(steps: list[dict]) -> dict:
+    """The ramp step with the most *full* answers per second (``full_rps``: answers from the primary model,
+    not degraded; every answer of a baseline) among those with P99 ≤ SLO and ≤ 1% errors (or 429s): the
+    primary-path knee of issue 13, where degraded answers do not count. When none qualifies, the step with
+    the lowest P99."""
+    within = [s for s in steps if s["p99_ms"] is not None and s["p99_ms"] <= SLO_MS and s["error_rate"] <= 0.01]
+    return max(within, key=lambda s: s["full_rps"]) if within else min(steps, key=lambda s: s["p99_ms"] or 1e9)
+
+
+def knee_ratios(results: dict) -> dict:
+    """Rampart's primary-path knee (``primary_knee`` ``full_rps``, req/s) against the raw primary model ceiling at
+    its best batch size (images/s, ``raw_ceiling_ips``) and against every baseline in ``results`` (its knee
+    throughput, req/s; each baseline answers from the same model only): ``{"raw_ceiling": …, "<baseline>": …}``,
+    each also with the two figures it divides. Baselines are the services ``Service.COMMANDS`` names, other than
+    Rampart, that ran."""
+    ours = results["rampart"]["ramp"]["primary_knee"]["full_rps"]
+    out = {}
+    ceiling = results.get("raw_ceiling_ips", {}).get("primary")
+    if ceiling:
+        best_batch = max(ceiling, key=lambda size: ceiling[size])
+        out["raw_ceiling"] = {"ratio": _ratio(ours, ceiling[best_batch]), "rampart_primary_knee_rps": ours,
+                              "ceiling_ips": ceiling[best_batch], "best_batch": int(best_batch)}
+    for name in Service.COMMANDS:
+        if name != "rampart" and name in results and "ramp" in results[name]:
+            theirs = results[name]["ramp"]["knee"]["throughput_rps"]
+            out[name] = {"ratio": _ratio(ours, theirs), "rampart_primary_knee_rps": ours, "knee_rps": theirs}
+    return out
+
+
+def budget_step(service: Service, bodies: list[bytes], clients: int, step_s: float) -> dict:
+    """One more closed-loop step of ``clients`` (normally the primary-path knee's) with the server's per-request
+    CPU budget measured during it (``bench.cpu_budget.measure``: by process exactly, by stage from py-spy samples
+    when py-spy is installed); also the step's throughput, full answers per second and P99."""
+    from bench.cpu_budget import measure
+
+    def step() -> list:
+        return run_sync(closed_loop(service.url, bodies, clients, step_s, deadline_ms=SLO_MS))
+
+    captured: list = []
+    report = measure(service.process.pid, lambda: captured.extend(step()) or captured, step_s)
+    summary = summarize(captured, step_s)
+    return {"clients": clients, "step_s": step_s, "throughput_rps": summary["throughput_rps"],
+            "full_rps": round(summary["full"] / step_s, 2), "p99_ms": summary["p99_ms"], **report}
 
 
 def knee(steps: list[dict], max_degraded_rate: float = 1.0) -> dict:
@@ -346,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ablation-only", action="store_true",
                         help="only the ablation of bench.ablation (ablation.json), all five arms")
     parser.add_argument("--ceiling-only", action="store_true", help="only the near-free-model ceiling (ceiling.json)")
+    parser.add_argument("--knee-only", action="store_true",
+                        help="only the raw ceiling, the ramps of Rampart (with its CPU budget) and of the baselines, "
+                             "and the knee ratios (knee.json; about 5 minutes)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.ablation_only:
@@ -374,6 +433,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: v for k, v in report.items() if k != "arms"}, indent=2))
         return 0
 
+    if args.knee_only:
+        return knee_comparison(args.out, batch_sizes, repeats, [n for n in clients if n <= 64], step_s, args.quick)
+
     bodies, named = load_bodies(), [] if args.peers_only else scenario_bodies(args.quick)
     primary_first_arm = None
     results: dict = {"machine": machine(), "slo_ms": SLO_MS, "command": "python -m bench.load_bench"
@@ -389,6 +451,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             service.wait_ready(bodies)
             results[name] = {"ramp": ramp(service, bodies, clients, step_s)}
+            if name == "rampart":
+                results[name]["cpu_budget"] = budget_step(service, bodies, results[name]["ramp"]["primary_knee"]["clients"],
+                                                          max(step_s, 8.0) if not args.quick else step_s)
             capacity = max(results[name]["ramp"]["knee"]["throughput_rps"], 1.0)
             results[name]["overload"] = overload(service, bodies, capacity, factors if name == "rampart" else [5.0],
                                                  overload_s)
@@ -413,9 +478,35 @@ def main(argv: list[str] | None = None) -> int:
         if "skipped" in theirs:
             continue
         results["ratios"][name] = service_ratios(ours, theirs)
+    results["knee_ratios"] = knee_ratios(results)
     (args.out / "load.json").write_text(json.dumps(results, indent=2))
     plot(results, args.out / "load.png")
     print(json.dumps(results["ratios"], indent=2))
+    return 0
+
+
+def knee_comparison(out: Path, batch_sizes: list[int], repeats: int, clients: list[int], step_s: float,
+                    quick: bool) -> int:
+    """``--knee-only``: the raw ceiling, then Rampart's ramp and CPU budget at its primary-path knee, then each
+    baseline's ramp, one server at a time; writes ``knee.json`` with ``knee_ratios`` and prints the ratios."""
+    bodies = load_bodies()
+    results: dict = {"machine": machine(), "slo_ms": SLO_MS,
+                     "command": "python -m bench.load_bench --knee-only" + (" --quick" if quick else ""),
+                     "raw_ceiling_ips": raw_ceiling(batch_sizes, repeats)}
+    for name in Service.COMMANDS:
+        service = Service(name, out)
+        try:
+            service.wait_ready(bodies)
+            results[name] = {"ramp": ramp(service, bodies, clients, step_s)}
+            if name == "rampart":
+                results[name]["cpu_budget"] = budget_step(service, bodies, results[name]["ramp"]["primary_knee"]["clients"],
+                                                          step_s if quick else max(step_s, 8.0))
+        finally:
+            service.stop()
+        print(name, json.dumps(results[name]["ramp"]["primary_knee"]), flush=True)
+    results["knee_ratios"] = knee_ratios(results)
+    (out / "knee.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps({"knee_ratios": results["knee_ratios"], "cpu_budget": results["rampart"]["cpu_budget"]}, indent=2))
     return 0
 
 
