@@ -443,9 +443,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.peers_only:
         results["raw_ceiling_ips"] = raw_ceiling(batch_sizes, repeats)
     for name in ("naive", *PEERS) if args.peers_only else ("rampart", "naive", "plain_bentoml", *PEERS):
-        if name in PEERS and (reason := PEERS[name]()):
-            results[name] = {"skipped": reason}
-            print(name, "skipped:", reason, flush=True)
+        if skipped_peer(name, results):
             continue
         service = Service(name, args.out)
         try:
@@ -485,6 +483,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def skipped_peer(name: str, results: dict) -> bool:
+    """True (and ``results[name]`` says why, printed too) when ``name`` is an optional peer baseline
+    (``PEERS``) that is not installed; False for every other service."""
+    if name in PEERS and (reason := PEERS[name]()):
+        results[name] = {"skipped": reason}
+        print(name, "skipped:", reason, flush=True)
+        return True
+    return False
+
+
 def knee_comparison(out: Path, batch_sizes: list[int], repeats: int, clients: list[int], step_s: float,
                     quick: bool) -> int:
     """``--knee-only``: the raw ceiling, then Rampart's ramp and CPU budget at its primary-path knee, then each
@@ -494,6 +502,8 @@ def knee_comparison(out: Path, batch_sizes: list[int], repeats: int, clients: li
                      "command": "python -m bench.load_bench --knee-only" + (" --quick" if quick else ""),
                      "raw_ceiling_ips": raw_ceiling(batch_sizes, repeats)}
     for name in Service.COMMANDS:
+        if skipped_peer(name, results):
+            continue
         service = Service(name, out)
         try:
             service.wait_ready(bodies)
