@@ -22,7 +22,17 @@ requests admitted before it are answered before the worker exits.
 
 from __future__ import annotations
 
-import asyncio
+import os
+
+# OpenMP threads (torch's intra-op pool) sleep between batches instead of spinning, so the
+# primary's idle threads leave the cores to the fallback and the API layer and the other way
+# round (issue 13: CPU per image at the knee on the 2-core host fell from 140 ms to 40 ms).
+# libgomp reads this once, when torch is first imported, so it must be set before any
+# import below pulls torch in; every runner process imports this module first. Set
+# OMP_WAIT_POLICY=ACTIVE in the environment to get spinning back.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import asyncio  # noqa: E402 - after the wait policy above
 import gc
 import logging
 import time

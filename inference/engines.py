@@ -22,7 +22,7 @@ import numpy as np
 
 from rampart.results import softmax
 
-__all__ = ["TorchClassifier", "OnnxClassifier", "HostStaging"]
+__all__ = ["TorchClassifier", "OnnxClassifier", "HostStaging", "cuda_present"]
 
 logger = logging.getLogger("rampart.engines")
 
@@ -82,9 +82,12 @@ class TorchClassifier:
     back). ``oom_splits`` counts the splits.
     """
 
-    def __init__(self, module, mean: float, std: float, device: str | None = None, memory_fraction: float = 0.9) -> None:
+    def __init__(self, module, mean: float, std: float, device: str | None = None, memory_fraction: float = 0.9,
+                 threads: int = 0) -> None:
         import torch
 
+        if threads > 0:
+            torch.set_num_threads(threads)  # intra-op threads of this whole process (runners.common.engine_cpu_threads)
         self._torch = torch
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.on_cuda = self.device.type == "cuda"
@@ -158,7 +161,8 @@ class OnnxClassifier:
     did not get it (driver or library missing, unsupported GPU), ONNX Runtime's own
     error and warning lines are silenced and this class logs ONE warning on the
     ``rampart.engines`` logger instead, naming the reason, then runs on the CPU
-    provider. ``providers`` says which provider the session really uses. Its threads
+    provider. ``providers`` says which provider the session really uses. ``threads`` > 0
+    sets its intra-op threads (``TorchClassifier``'s does the same for torch). Its threads
     sleep between runs instead of spinning (``allow_spinning`` 0), so an idle fallback
     leaves the cores to the primary.
     """
@@ -166,17 +170,19 @@ class OnnxClassifier:
     CUDA = "CUDAExecutionProvider"
     CPU = "CPUExecutionProvider"
 
-    def __init__(self, path: str, mean: float, std: float) -> None:
+    def __init__(self, path: str, mean: float, std: float, threads: int = 0) -> None:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        if threads > 0:  # intra-op threads (0: ONNX Runtime's default, one per core)
+            options.intra_op_num_threads = threads
         # ONNX Runtime's intra-op threads spin-wait for work after each run by default. Beside the
         # primary on a CPU host that spinning is CPU the primary needs: at the knee on the 2-core host
         # the fallback used 20-32 ms of CPU per image against 7.6 ms when it runs alone (issue 13).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.add_session_config_entry("session.inter_op.allow_spinning", "0")
-        wants_cuda = _cuda_present()
+        wants_cuda = cuda_present()
         self.session, reason = None, ""
         if wants_cuda:
             if hasattr(ort, "preload_dlls"):
@@ -209,7 +215,8 @@ class OnnxClassifier:
         return softmax(logits)
 
 
-def _cuda_present() -> bool:
+def cuda_present() -> bool:
+    """Whether torch sees a CUDA GPU (False when torch is not installed)."""
     try:
         import torch
 

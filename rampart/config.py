@@ -22,6 +22,25 @@ from rampart.results import CONFIDENCE_KINDS
 ENV_PREFIX = "RAMPART_"
 
 
+def default_cpu_threads(role: str, cores: int, gpu: bool) -> int:
+    """Intra-op CPU threads for ``role`` ("primary" or "fallback") on a host with ``cores`` CPUs.
+
+    CPU-only host: the fallback gets a quarter of the cores (at least 1) and the primary the
+    rest less one core left to the API layer (at least 1); on 2 cores both get 1, because the
+    primary measured 35 ms CPU/image with 1 torch thread against 49-51 ms with 2 (issue 13).
+    GPU host: the primary computes on the GPU, so 1 CPU thread feeds it, and the fallback
+    (on the GPU too if ONNX Runtime's CUDA provider loads, else on the CPU) may take half
+    the cores. Any other role: 1.
+    """
+    cores = max(1, cores)
+    fallback = max(1, cores // 2) if gpu else max(1, cores // 4)
+    if role == "fallback":
+        return fallback
+    if role == "primary":
+        return 1 if gpu else max(1, cores - fallback - 1)
+    return 1
+
+
 class Settings(BaseModel):
     """All of Rampart's configuration. Units are in each field's name."""
 
@@ -108,6 +127,12 @@ class Settings(BaseModel):
     # fallback yields to the primary, whose full answers are worth more.
     primary_nice: int = Field(5, ge=0, le=19)
     fallback_nice: int = Field(10, ge=0, le=19)
+    # CPU threads of each model's engine: torch intra-op threads of the primary, ONNX Runtime
+    # intra-op threads of the fallback. 0 = the rule of ``default_cpu_threads`` from the host's
+    # cores and whether a GPU is present (README "Benchmark", CPU budget, issue 13).
+    # OpenMP's wait policy (OMP_WAIT_POLICY, PASSIVE unless set) is set in service.py.
+    primary_cpu_threads: int = Field(0, ge=0)
+    fallback_cpu_threads: int = Field(0, ge=0)
     # Share of the GPU's memory the primary may allocate (torch.cuda.set_per_process_memory_fraction).
     gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
 

@@ -28,7 +28,7 @@ from pydantic import Field
 from inference.stored import load_engine
 from rampart.api.lifecycle import RUNNER_EXIT_MARGIN_S, intercept_exit_signals, wait_for_entry_workers
 from rampart.api.lifecycle import logger as lifecycle_log
-from rampart.config import Settings, get_settings
+from rampart.config import Settings, default_cpu_threads, get_settings
 from rampart.faults import FaultInjector, FaultSpec
 from rampart.inputs.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
 from rampart.telemetry import metrics
@@ -284,7 +284,8 @@ class RunnerSpec:
     started); ``max_batch_size`` and ``max_latency_ms`` configure BentoML's adaptive
     batching; ``concurrent_batches`` is the runner's thread count; ``nice`` its CPU
     niceness; ``faults`` what to inject; ``memory_fraction`` the share of the GPU's memory
-    a PyTorch model may take; ``timeout_s`` BentoML's traffic timeout (s).
+    a PyTorch model may take; ``timeout_s`` BentoML's traffic timeout (s); ``cpu_threads``
+    the engine's intra-op CPU threads (0: ``rampart.config.default_cpu_threads``).
     """
 
     role: str
@@ -296,6 +297,7 @@ class RunnerSpec:
     faults: FaultSpec
     memory_fraction: float
     timeout_s: float
+    cpu_threads: int = 0
 
 
 def runner_spec(settings: Settings, role: str) -> RunnerSpec:
@@ -310,18 +312,28 @@ def runner_spec(settings: Settings, role: str) -> RunnerSpec:
                           settings.primary_concurrent_batches, settings.primary_nice,
                           FaultSpec(settings.fault_primary_delay_ms, settings.fault_primary_error_rate,
                                     settings.fault_primary_hang),
-                          settings.gpu_memory_fraction, longest_s)
+                          settings.gpu_memory_fraction, longest_s, settings.primary_cpu_threads)
     if role == "fallback":
         return RunnerSpec(role, settings.fallback_model, settings.fallback_max_batch_size,
                           settings.fallback_max_latency_ms, settings.fallback_concurrent_batches, settings.fallback_nice,
                           FaultSpec(error_rate=settings.fault_fallback_error_rate),
-                          settings.gpu_memory_fraction, longest_s)
+                          settings.gpu_memory_fraction, longest_s, settings.fallback_cpu_threads)
     if role == "shadow":
         return RunnerSpec(role, settings.shadow_model, max(2, settings.shadow_max_inflight), settings.max_deadline_ms,
                           1, settings.shadow_nice,
                           FaultSpec(settings.fault_shadow_delay_ms, settings.fault_shadow_error_rate),
-                          max(0.05, 1.0 - settings.gpu_memory_fraction), settings.shadow_deadline_ms / 1000 + 10)
+                          max(0.05, 1.0 - settings.gpu_memory_fraction), settings.shadow_deadline_ms / 1000 + 10, 1)
     raise ValueError(f"unknown runner role {role!r}")
+
+
+def engine_cpu_threads(spec: RunnerSpec) -> int:
+    """``spec.cpu_threads``, or when 0 the rule ``default_cpu_threads`` for this host's usable cores and GPU."""
+    if spec.cpu_threads:
+        return spec.cpu_threads
+    from inference.engines import cuda_present
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return default_cpu_threads(spec.role, cores, cuda_present())
 
 
 def define_runner(role: str, name: str, doc: str) -> bentoml.Service:
@@ -348,7 +360,7 @@ def define_runner(role: str, name: str, doc: str) -> bentoml.Service:
                            max_batch_size=spec.max_batch_size, max_latency_ms=spec.max_latency_ms)
 
     def __init__(self) -> None:
-        self.engine = load_engine(self.model, spec.memory_fraction)
+        self.engine = load_engine(self.model, spec.memory_fraction, engine_cpu_threads(spec))
         self.setup(role, self.model.info.metadata["resolution"], FaultInjector(role, spec.faults, settings.fault_file),
                    spec.max_batch_size, spec.nice, settings.max_deadline_ms)
         self.warm_up()

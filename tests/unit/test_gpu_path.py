@@ -85,7 +85,7 @@ def test_onnx_on_a_cpu_host_uses_the_cpu_provider_and_says_nothing(tiny_onnx, ca
 
 def test_onnx_fails_over_to_cpu_with_one_clear_line_when_cuda_cannot_load(tiny_onnx, caplog, capfd, monkeypatch):
     reference = OnnxClassifier(tiny_onnx, 127.0, 128.0)
-    monkeypatch.setattr(engines, "_cuda_present", lambda: True)  # the fault: torch "sees" a GPU this host lacks
+    monkeypatch.setattr(engines, "cuda_present", lambda: True)  # the fault: torch "sees" a GPU this host lacks
     batch = _batch()
     with caplog.at_level(logging.DEBUG, logger="rampart.engines"):
         engine = OnnxClassifier(tiny_onnx, 127.0, 128.0)
