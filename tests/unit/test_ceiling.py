@@ -37,30 +37,31 @@ def test_phone_jpeg_lands_near_500_kb_and_the_png_is_260_square():
 
 
 def test_roles_of_a_server_tree_and_the_cpu_they_spend():
-    """A stand-in tree shaped like ``bentoml serve``'s: an entry worker with a child (its decode pool),
-    a runner; the entry worker burns CPU, and only its role is charged for it."""
-    entry = subprocess.Popen(["bash", "-c", "sleep 30 & while :; do :; done",
-                              "--service-name", "rampart"])
-    runner = subprocess.Popen(["bash", "-c", "sleep 30; :", "--service-name", "rampart_primary"])
+    """A stand-in tree shaped like ``bentoml serve``'s, under a root of its own (not this test's process,
+    whose other children would count): an entry worker with a child (its decode pool) and a runner;
+    the entry worker burns CPU, and only its role is charged for it."""
+    # The flag comes in as "$1", so the root's own command line names no service.
+    root = subprocess.Popen(["bash", "-c", "bash -c 'sleep 30 & while :; do :; done' \"$1\" rampart &"
+                             " bash -c 'sleep 30; :' \"$1\" rampart_primary & wait", "root", "--service-name"])
     try:
-        time.sleep(0.2)
-        entry_process = psutil.Process(entry.pid)
+        time.sleep(0.3)
+        root_process = psutil.Process(root.pid)
+        workers = {process_role(child, set()): child for child in root_process.children()}
+        entry_process, runner_process = workers["api"], workers["runners"]
         (pool_child,) = entry_process.children()
-        assert process_role(entry_process, set()) == "api"
-        assert process_role(psutil.Process(runner.pid), set()) == "runners"
-        assert process_role(pool_child, {entry.pid}) == "decode_pool"
-        assert process_role(psutil.Process(), set()) == "supervisor"
+        assert process_role(pool_child, {entry_process.pid}) == "decode_pool"
+        assert process_role(root_process, set()) == "supervisor"
 
-        meter = ProcessCpu(psutil.Process().pid, "supervisor")  # this test's process is the tree's root
+        meter = ProcessCpu(root.pid, "supervisor")
         meter.start()
         time.sleep(0.6)
         roles = meter.stop()
         assert roles["api"]["processes"] == 1 and roles["runners"]["processes"] == 1, roles
         assert roles["decode_pool"]["processes"] == 1, roles
         assert roles["api"]["cpu_s"] > 0.1 and roles["runners"]["cpu_s"] < 0.05, roles
+        assert runner_process.is_running()
     finally:
-        for process in (entry, runner):
-            for child in psutil.Process(process.pid).children(recursive=True):
-                child.kill()
-            process.kill()
-            process.wait()
+        for child in psutil.Process(root.pid).children(recursive=True):
+            child.kill()
+        root.kill()
+        root.wait()
