@@ -29,16 +29,19 @@ which answers and sheds, stays ahead of decoding for the CPU.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import heapq
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.util  # registers its exit hook before ours, so ours (LIFO) runs first
 import os
 import signal
 import sys
 import threading
 import time
 import types
+import weakref
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
@@ -96,15 +99,37 @@ def _serve(conn, nice: int) -> None:
 
 
 _START_LOCK = threading.Lock()
+_LIVE: "weakref.WeakSet[_Process]" = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_live_workers() -> None:
+    """At interpreter exit, kill every worker process still running.
+
+    Without this, exit hangs: multiprocessing's own exit hook sends daemon children
+    SIGTERM, which ``_serve`` ignores, and then joins them; they wait for the pipe
+    the parent holds open. atexit runs hooks last-registered first, so this one
+    (registered after ``multiprocessing.util``'s) runs before it.
+    """
+    for worker in list(_LIVE):
+        worker.close()
 
 
 class _Process:
-    """One worker process and the pipe to it."""
+    """One worker process and the pipe to it.
+
+    ``close`` and ``replace`` hold ``_lock``, so a close that comes while a
+    replacement starts waits for it and then kills the new process, and a
+    replacement after ``close`` starts nothing.
+    """
 
     def __init__(self, context, nice: int, name: str) -> None:
         self.context, self.nice, self.name = context, nice, name
         self.start_ms = 0.0
+        self.closed = False
+        self._lock = threading.Lock()
         self._start()
+        _LIVE.add(self)
 
     def _start(self) -> None:
         started = time.perf_counter()
@@ -131,14 +156,32 @@ class _Process:
         return value
 
     def kill(self) -> None:
-        self.process.kill()
+        """SIGKILL the process (its job is abandoned; ``replace`` starts the next one). Waits for a
+        replacement under way, whose process may be about to take the job."""
+        with self._lock:
+            if not self.closed:
+                self.process.kill()
 
-    def replace(self) -> None:
-        """Reap this process (killing it if needed) and start a new one in its place."""
-        self.conn.close()
-        self.process.kill()
-        self.process.join()
-        self._start()
+    def replace(self) -> bool:
+        """Reap this process (killing it if needed) and start a new one in its place; False once closed."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.conn.close()
+            self.process.kill()
+            self.process.join()
+            self._start()
+            return True
+
+    def close(self) -> None:
+        """Kill the process and its pipe for good; waits for a replacement under way to finish first."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.process.kill()
+            self.process.join(timeout=5.0)
+            self.conn.close()
 
     def describe_death(self) -> str:
         self.process.join(timeout=1.0)
@@ -322,7 +365,8 @@ class BoundedPool:
 
     def _replace(self, slot: _Slot) -> None:
         try:
-            slot.process.replace()
+            if not slot.process.replace():  # the pool was closed
+                return
         except Exception:  # keep the thread alive; the next job retries the start
             logger.exception("could not start a decode worker")
             return
@@ -330,7 +374,8 @@ class BoundedPool:
         logger.info("decode worker %s replaced in %.0f ms", slot.process.name, slot.process.start_ms)
 
     def close(self) -> None:
-        """Kill the worker processes (the threads are daemons and end with the interpreter)."""
+        """Kill the worker processes for good, a replacement under way included (the threads are
+        daemons and end with the interpreter). Idempotent; interpreter exit does it too."""
         for slot in self._slots:
             if slot.process is not None:
-                slot.process.kill()
+                slot.process.close()

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import multiprocessing
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -97,9 +100,28 @@ def test_pipeline_on_processes_answers_422_decode_timeout_then_the_next_upload()
             asyncio.run(slow.classify(data, 5, Deadline(10_000)))
         slow.plan = dataclasses.replace(slow.plan, fault_hang=False)  # the fault ends
         answer = asyncio.run(slow.classify(data, 3, Deadline(10_000)))
-        assert answer["labels"][0]["index"] == 1 and slow.state()["decode_workers"]["replaced"] == 1
+        assert answer["labels"][0]["index"] == 1
+        # The hung worker is replaced after its caller was answered (the other worker took the next upload).
+        _wait_for(lambda: slow.state()["decode_workers"]["replaced"] == 1)
     finally:
         slow.pool.close()
+
+
+def test_close_right_after_an_overrun_leaves_no_worker_alive():
+    """close() races the replacement of a killed worker: whichever comes first, no process survives."""
+    one = BoundedPool(workers=1, queue=1, processes=True, name="rampart-close-race")
+    with pytest.raises(JobTimeout):
+        asyncio.run(one.run(time.sleep, 3600, run_limit_s=0.1))
+    one.close()  # the replacement is starting in the pool's thread, or about to
+    time.sleep(0.5)  # long enough for a replacement that was not stopped to have started
+    assert [p.name for p in multiprocessing.active_children() if p.name.startswith("rampart-close-race")] == []
+
+
+def test_an_interpreter_that_never_closes_its_pool_still_exits():
+    """The workers ignore SIGTERM (the server's drain is the parent's), so exit must kill them itself."""
+    code = "from rampart.inputs.pool import BoundedPool; BoundedPool(workers=1, queue=1, processes=True); print('up')"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout.strip()) == (0, "up")
 
 
 def test_prepare_returns_both_models_inputs_and_a_warnings_tuple():
