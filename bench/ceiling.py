@@ -16,13 +16,13 @@ For each server (Rampart with ``api_workers`` 1 and 2, the naive FastAPI baselin
 each body (``phone_jpeg``: a ~500 KB 1600×1200 JPEG; ``png_260``: a 260×260 PNG), one
 closed-loop round of aiohttp clients (``bench.loadgen.closed_loop_round``, every body
 made unique so the answer cache never answers), with the CPU time of every server
-process over the round, read with psutil and grouped by role (``process_role``):
+process over the round, read with psutil (``bench.process_cpu``) and grouped (``grouped``):
 
 - ``api``: the entry service's worker processes (for the naive baseline: its one
   uvicorn process, which also decodes and computes);
 - ``decode_pool``: processes under an entry worker (the decode workers, their
-  forkserver and resource tracker);
-- ``runners``: the model runner processes;
+  forkserver and resource tracker: role ``decode``);
+- ``runners``: the model runner processes (roles ``primary``, ``fallback``, ``shadow``);
 - ``supervisor``: ``bentoml serve``'s own process.
 
 CPU per request is each role's CPU seconds over the round divided by the requests
@@ -48,20 +48,18 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 from bench.loadgen import closed_loop_round, run_sync
-from rampart.api.lifecycle import ENTRY_SERVICE_NAME
+from bench.process_cpu import ServerCpu
 
-__all__ = ["NEAR_FREE_NAME", "near_free_onnx", "phone_jpeg", "small_png", "start_import", "finish_import", "process_role",
-           "ProcessCpu", "in_process_costs", "ceiling_scenario"]
+__all__ = ["NEAR_FREE_NAME", "near_free_onnx", "phone_jpeg", "small_png", "start_import", "finish_import", "grouped",
+           "in_process_costs", "ceiling_scenario"]
 
 ROOT = Path(__file__).resolve().parent.parent
 NEAR_FREE_NAME = "rampart-near-free"
@@ -78,7 +76,19 @@ SMALL_PNG_SIDE = 260
 DEADLINE_MS = 10_000.0
 #: The target the issue sets for serving overhead (everything but decoding and the model), µs of CPU per request.
 OVERHEAD_TARGET_US = 1000.0
+#: This scenario's groups of ``bench.process_cpu`` roles (module doc); a role not named keeps its name.
 ROLES = ("api", "decode_pool", "runners", "supervisor")
+GROUP_OF_ROLE = {"decode": "decode_pool", "primary": "runners", "fallback": "runners", "shadow": "runners"}
+
+
+def grouped(roles: dict[str, dict]) -> dict[str, dict]:
+    """``bench.process_cpu.ServerCpu.stop``'s ``{role: {"cpu_s", "processes"}}`` summed into ``ROLES``."""
+    out = {group: {"cpu_s": 0.0, "processes": 0} for group in ROLES}
+    for role, spent in roles.items():
+        group = out.setdefault(GROUP_OF_ROLE.get(role, role), {"cpu_s": 0.0, "processes": 0})
+        group["cpu_s"] += spent["cpu_s"]
+        group["processes"] += spent["processes"]
+    return out
 
 
 def near_free_onnx(path: Path) -> Path:
@@ -180,65 +190,6 @@ def finish_import(process: subprocess.Popen, timeout_s: float = 300) -> None:
         raise subprocess.CalledProcessError(process.returncode, process.args, output)
 
 
-def process_role(process: psutil.Process, entry_pids: set[int]) -> str:
-    """The role (``ROLES``) of one process of a ``bentoml serve`` tree: a BentoML service worker
-    is ``api`` when its ``--service-name`` is the entry service's, else ``runners``; a process under
-    an entry worker (``entry_pids``) is ``decode_pool``; anything else (the server's own process) is
-    ``supervisor``. Raises ``psutil.Error`` when the process is gone."""
-    match = re.search(r"--service-name (\S+)", " ".join(process.cmdline()))
-    if match:
-        return "api" if match.group(1) == ENTRY_SERVICE_NAME else "runners"
-    if any(parent.pid in entry_pids for parent in process.parents()):
-        return "decode_pool"
-    return "supervisor"
-
-
-class ProcessCpu:
-    """CPU seconds (user + system) of a server's process tree between ``start()`` and ``stop()``, by role.
-
-    ``root_role``: the role of the started process itself (``supervisor`` for ``bentoml serve``,
-    ``api`` for a one-process server such as uvicorn). Processes that appear during the
-    interval count from zero; one that ends during it loses what it spent (none ends in
-    a clean round: decode workers are only replaced after a decode timeout).
-    """
-
-    def __init__(self, root_pid: int, root_role: str) -> None:
-        self.root = psutil.Process(root_pid)
-        self.root_role = root_role
-        self._start: dict[int, float] = {}
-
-    def read(self) -> dict[int, tuple[str, float]]:
-        """``{pid: (role, CPU seconds so far)}`` of the root and all its descendants alive now."""
-        processes = [self.root, *self.root.children(recursive=True)]
-        entry = set()
-        for process in processes[1:]:
-            try:
-                if process_role(process, set()) == "api":
-                    entry.add(process.pid)
-            except psutil.Error:
-                continue
-        out = {}
-        for process in processes:
-            try:
-                role = self.root_role if process.pid == self.root.pid else process_role(process, entry)
-                times = process.cpu_times()
-                out[process.pid] = (role, times.user + times.system)
-            except psutil.Error:
-                continue
-        return out
-
-    def start(self) -> None:
-        self._start = {pid: cpu for pid, (_, cpu) in self.read().items()}
-
-    def stop(self) -> dict[str, dict]:
-        """``{role: {"cpu_s", "processes"}}`` for every role in ``ROLES``, since ``start()``."""
-        out = {role: {"cpu_s": 0.0, "processes": 0} for role in ROLES}
-        for pid, (role, cpu) in self.read().items():
-            out[role]["cpu_s"] += cpu - self._start.get(pid, 0.0)
-            out[role]["processes"] += 1
-        return out
-
-
 def _cpu_us(function, repeats: int) -> float:
     """Mean CPU time of ``function()`` in this process (all threads), µs, after one warm-up call."""
     function()
@@ -303,10 +254,10 @@ def measure_round(service, body: bytes, connections: int, duration_s: float, dea
     full 200), ``client_cpu_us_per_request`` and ``cpu_us_per_request`` per role and in
     total, and ``processes`` per role (how many were found: the API worker count shows here).
     """
-    meter = ProcessCpu(service.process.pid, root_role)
+    meter = ServerCpu(service.process.pid, root_role)
     meter.start()
     round_ = run_sync(closed_loop_round(service.url, [body], connections, duration_s, deadline_ms))
-    roles = meter.stop()
+    roles = grouped(meter.stop())
     summary = round_.summary()
     answered = max(summary["ok"], 1)
     per_request = {role: round(roles[role]["cpu_s"] * 1e6 / answered, 1) for role in ROLES}

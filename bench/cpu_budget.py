@@ -4,11 +4,10 @@
 samples) while it
 
 - reads the CPU time (user + system, ``psutil``) of every process of the server
-  (the process group under ``root_pid``), grouped by role (``process_role``: ``api``,
-  ``decode``, ``primary``, ``fallback``), before and after: µs of CPU per request of
-  each role, exact;
+  (the process tree under ``root_pid``), grouped by role (``bench.process_cpu``;
+  ``BUDGET_ROLES``), before and after: µs of CPU per request of each role, exact;
 - samples the Python stacks of the API worker, the primary runner and every decode
-  worker with py-spy (``py-spy record --nonblocking``, ``rate_hz`` per second; the
+  process (``SAMPLED_ROLES``; the decode pool's idle forkserver gives only waits) with py-spy (``py-spy record --nonblocking``, ``rate_hz`` per second; the
   processes are never paused), when the ``py-spy`` executable is there; each stack is
   put into one stage (``stage_of``) and each role's CPU is split between its stages in
   proportion to their samples.
@@ -34,10 +33,13 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
-import psutil
+from bench.process_cpu import ServerCpu, server_processes
 
-__all__ = ["STAGES", "process_role", "stage_of", "measure", "py_spy"]
+__all__ = ["STAGES", "BUDGET_ROLES", "stage_of", "measure", "py_spy"]
 
+#: Roles (``bench.process_cpu``) whose CPU the budget reports, and those py-spy samples.
+BUDGET_ROLES = ("api", "decode", "primary", "fallback")
+SAMPLED_ROLES = ("api", "decode", "primary")
 #: Stages of one request, in the order they happen, with the role (process) they run in.
 STAGES: dict[str, str] = {
     "body read": "api",
@@ -102,20 +104,6 @@ WRAPPERS: dict[str, tuple[str, tuple[str, ...]]] = {
 REST = {"api": "HTTP server and middlewares", "decode": "other (decode)", "primary": "runner HTTP server and metrics"}
 
 
-def process_role(process: psutil.Process) -> str | None:
-    """``api``, ``primary``, ``fallback`` or ``decode`` (a decode worker, not its idle forkserver), or None."""
-    try:
-        command = " ".join(process.cmdline())
-        if "forkserver" in command:
-            return "decode" if process.parent() is not None and "forkserver" in " ".join(process.parent().cmdline()) else None
-    except psutil.Error:
-        return None
-    for role in ("primary", "fallback"):
-        if f"--service-name rampart_{role}" in command:
-            return role
-    return "api" if "--service-name rampart " in command else None
-
-
 def stage_of(role: str, frames: list[str]) -> str | None:
     """The stage of one stack (``frames`` outermost first) sampled in a ``role`` process; None for a wait."""
     if not frames or any(frames[-1].startswith(leaf) or leaf in frames[-1] for leaf in IDLE_LEAVES):
@@ -134,26 +122,6 @@ def py_spy() -> str | None:
     """The ``py-spy`` executable next to this Python, else on ``PATH``, else None."""
     beside = Path(sys.executable).parent / "py-spy"
     return str(beside) if beside.exists() else shutil.which("py-spy")
-
-
-def _processes(root_pid: int) -> dict[int, tuple[str, psutil.Process]]:
-    out = {}
-    for process in psutil.Process(root_pid).children(recursive=True):
-        role = process_role(process)
-        if role is not None:
-            out[process.pid] = (role, process)
-    return out
-
-
-def _cpu_by_role(processes: dict[int, tuple[str, psutil.Process]]) -> dict[str, float]:
-    totals: dict[str, float] = {}
-    for role, process in processes.values():
-        try:
-            times = process.cpu_times()
-        except psutil.Error:
-            continue
-        totals[role] = totals.get(role, 0.0) + times.user + times.system
-    return totals
 
 
 def _samples(path: Path, role: str) -> Counter:
@@ -176,23 +144,25 @@ def measure(root_pid: int, run: Callable[[], list], duration_s: float, rate_hz: 
     under ``root_pid`` during it (module doc): ``requests``, ``cpu_us_per_request`` by role,
     ``cpu_cores`` by role (CPU seconds per second), ``stages_us_per_request`` (stage → µs, None without
     py-spy), ``samples`` by role, and ``profiler``."""
-    processes = _processes(root_pid)
+    processes = server_processes(root_pid)
+    meter = ServerCpu(root_pid)
     spy = py_spy()
     records, workdir = [], Path(tempfile.mkdtemp(prefix="rampart-cpu-"))
     if spy:
         for pid, (role, _) in processes.items():
-            if role == "fallback":
+            if role not in SAMPLED_ROLES:
                 continue
             out = workdir / f"{role}-{pid}.txt"
             records.append((role, out, subprocess.Popen(
                 [spy, "record", "--pid", str(pid), "--duration", str(max(1, round(duration_s))), "--rate", str(rate_hz),
                  "--nonblocking", "--format", "raw", "--output", str(out)],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)))
-    before, started = _cpu_by_role(processes), time.monotonic()
+    meter.start()
+    started = time.monotonic()
     samples = run()
-    after, elapsed = _cpu_by_role(processes), time.monotonic() - started
+    spent, elapsed = meter.stop(), time.monotonic() - started
     requests = max(len(samples), 1)
-    cpu_s = {role: after.get(role, 0.0) - before.get(role, 0.0) for role in after}
+    cpu_s = {role: spent[role]["cpu_s"] for role in BUDGET_ROLES}
     report = {
         "requests": len(samples),
         "cpu_us_per_request": {role: round(seconds * 1e6 / requests) for role, seconds in cpu_s.items()},

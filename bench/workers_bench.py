@@ -25,11 +25,9 @@ import json
 import time
 from pathlib import Path
 
-import psutil
-
 from bench.load_bench import FULL_KNEE_DEGRADED_RATE, SLO_MS, Service, knee, machine, ramp
 from bench.loadgen import DEADLINE_SLACK_MS, load_bodies, open_loop, run_sync, summarize
-from rampart.api.lifecycle import ENTRY_SERVICE_NAME
+from bench.process_cpu import ServerCpu
 
 CLIENTS = [1, 4, 8, 16, 32, 64]
 STEP_S = 8.0
@@ -37,41 +35,16 @@ OVERLOAD_FACTOR = 5.0
 OVERLOAD_S = 20.0
 
 
-def api_processes(root_pid: int) -> tuple[list[psutil.Process], list[psutil.Process]]:
-    """The entry service's worker processes under ``bentoml serve`` (pid ``root_pid``), and their children
-    (the decode pool's forkserver and workers)."""
-    workers, decoders = [], []
-    for process in psutil.Process(root_pid).children(recursive=True):
-        try:
-            args = process.cmdline()
-        except psutil.Error:
-            continue
-        if any(a == "--service-name" and b == ENTRY_SERVICE_NAME for a, b in zip(args, args[1:])):
-            workers.append(process)
-            decoders.extend(process.children(recursive=True))
-    return workers, decoders
-
-
-def cpu_s(processes: list[psutil.Process]) -> float:
-    """User + system CPU seconds of ``processes`` (those still alive)."""
-    total = 0.0
-    for process in processes:
-        try:
-            times = process.cpu_times()
-            total += times.user + times.system
-        except psutil.Error:
-            pass
-    return total
-
-
-def step(service: Service, bodies: list[bytes], clients: int, processes) -> dict:
-    """One closed-loop ramp step of ``STEP_S`` at ``clients``, with the API layer's CPU per answer."""
-    workers, decoders = processes
-    before = cpu_s(workers), cpu_s(decoders)
+def step(service: Service, bodies: list[bytes], clients: int) -> dict:
+    """One closed-loop ramp step of ``STEP_S`` at ``clients``, with the API layer's CPU per answer
+    (``bench.process_cpu`` roles ``api`` and ``decode``)."""
+    meter = ServerCpu(service.process.pid)
+    meter.start()
     result = ramp(service, bodies, [clients], STEP_S)["steps"][0]
+    spent = meter.stop()
     answered = max(result["throughput_rps"] * STEP_S, 1)
-    result["api_cpu_ms_per_answer"] = round((cpu_s(workers) - before[0]) * 1000 / answered, 2)
-    result["decode_cpu_ms_per_answer"] = round((cpu_s(decoders) - before[1]) * 1000 / answered, 2)
+    result["api_cpu_ms_per_answer"] = round(spent["api"]["cpu_s"] * 1000 / answered, 2)
+    result["decode_cpu_ms_per_answer"] = round(spent["decode"]["cpu_s"] * 1000 / answered, 2)
     return result
 
 
@@ -109,12 +82,11 @@ def measure(worker_counts: list[int], bodies: list[bytes], log_dir: Path) -> lis
         for service in services:
             service.wait_ready(bodies)
         time.sleep(2.0)  # every worker past its warm-up
-        processes = [api_processes(service.process.pid) for service in services]
         rounds: list[list[dict]] = [[] for _ in services]
         for clients in CLIENTS:
             order = list(range(len(services)))
             for i in order + order[::-1]:
-                rounds[i].append(step(services[i], bodies, clients, processes[i]))
+                rounds[i].append(step(services[i], bodies, clients))
                 print(worker_counts[i], json.dumps(rounds[i][-1]), flush=True)
         runs = []
         for i, (n, service) in enumerate(zip(worker_counts, services)):

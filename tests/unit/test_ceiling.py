@@ -12,7 +12,8 @@ import numpy as np
 import psutil
 from PIL import Image
 
-from bench.ceiling import PHONE_JPEG_TARGET_BYTES, ProcessCpu, near_free_onnx, phone_jpeg, process_role, small_png
+from bench.ceiling import PHONE_JPEG_TARGET_BYTES, grouped, near_free_onnx, phone_jpeg, small_png
+from bench.process_cpu import ServerCpu, process_role
 from inference.engines import OnnxClassifier
 
 
@@ -47,15 +48,17 @@ def test_roles_of_a_server_tree_and_the_cpu_they_spend():
         time.sleep(0.3)
         root_process = psutil.Process(root.pid)
         workers = {process_role(child, set()): child for child in root_process.children()}
-        entry_process, runner_process = workers["api"], workers["runners"]
+        entry_process, runner_process = workers["api"], workers["primary"]
         (pool_child,) = entry_process.children()
-        assert process_role(pool_child, {entry_process.pid}) == "decode_pool"
+        assert process_role(pool_child, {entry_process.pid}) == "decode"
         assert process_role(root_process, set()) == "supervisor"
 
-        meter = ProcessCpu(root.pid, "supervisor")
+        meter = ServerCpu(root.pid, "supervisor")
         meter.start()
         time.sleep(0.6)
-        roles = meter.stop()
+        by_role = meter.stop()
+        assert by_role["api"]["cpu_s"] > 0.1 and by_role["primary"]["processes"] == 1, by_role
+        roles = grouped(by_role)  # the ceiling scenario's groups
         assert roles["api"]["processes"] == 1 and roles["runners"]["processes"] == 1, roles
         assert roles["decode_pool"]["processes"] == 1, roles
         assert roles["api"]["cpu_s"] > 0.1 and roles["runners"]["cpu_s"] < 0.05, roles
