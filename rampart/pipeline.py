@@ -90,6 +90,9 @@ ROUTE_PRIMARY_ONLY = "primary_only"
 ROUTES = (ROUTE_PRIMARY_FIRST, ROUTE_PRIMARY_ONLY, *metrics.CASCADE_ROUTES)
 #: Fallback confidences kept for the quantiles in ``/stats`` (``cascade``).
 CONFIDENCE_WINDOW = 1000
+#: Decode order within a priority (``BoundedPool.run``'s ``rank``): requests holding a place with the
+#: routing's first model first, then those admitted by the second one (``Classifier._prepare``).
+DECODE_RANK = {"first": 0, "second": 1}
 
 
 def decode_limits(settings: Settings, buckets: list[Bucket]) -> DecodeLimits:
@@ -229,8 +232,13 @@ class Classifier:
             if ticket is not None:
                 lane.release(ticket)
 
-    async def _prepare(self, data: bytes, deadline: Deadline, high: bool) -> Prepared:
+    async def _prepare(self, data: bytes, deadline: Deadline, high: bool, admission: Admission) -> Prepared:
         """Decode ``data`` on the pool into both models' inputs (``rampart.inputs.decode_job.prepare``).
+
+        Within a priority, a request that holds a place with the routing's first model
+        decodes before one the first model refused (``DECODE_RANK``): under overload the
+        decoders are the shared stage, and the first model, the primary, must not wait
+        idle behind uploads that are bound for the fallback anyway (issue 13 item 3).
 
         Raises ``DecodeTimeout`` past ``decode_timeout_ms``, ``JobTimeout`` when the
         deadline ran out first, ``Overloaded`` when no decoder is free in time,
@@ -238,7 +246,8 @@ class Classifier:
         decoder's own ``ImageError``.
         """
         try:
-            prepared = await self.pool.run(prepare, data, self.plan, high=high, budget_s=deadline.remaining_s(),
+            rank = DECODE_RANK["first" if getattr(admission, self.order[0].role) is not None else "second"]
+            prepared = await self.pool.run(prepare, data, self.plan, high=high, rank=rank, budget_s=deadline.remaining_s(),
                                            run_limit_s=self.settings.decode_timeout_ms / 1000)
         except JobTimeout as exc:
             if exc.by_run_limit:
@@ -307,7 +316,7 @@ class Classifier:
     async def _classify(self, data: bytes, top_k: int, deadline: Deadline, high: bool, admission: Admission) -> dict:
         start = time.perf_counter()
         try:
-            prepared = await self._prepare(data, deadline, high)
+            prepared = await self._prepare(data, deadline, high, admission)
         except JobTimeout:
             return self._body("deadline_exceeded", start, _ms_since(start))
         decode_ms = _ms_since(start)

@@ -3,7 +3,7 @@
 Decoding and resizing run on ``workers`` workers. At most ``queue`` more jobs may
 wait; an upload beyond that gets ``Overloaded`` (429 with Retry-After) at once,
 so memory held by waiting uploads stays bounded. Waiting jobs start high
-priority first, then in arrival order.
+priority first, then by ``rank`` (lower first), then in arrival order.
 
 Time is bounded twice: a job that has not *started* within the caller's budget is
 cancelled (no work is spent on a request whose deadline has passed) and answered
@@ -216,7 +216,7 @@ class BoundedPool:
         self.processes = processes
         self.replaced = 0
         self._cond = threading.Condition()
-        self._heap: list[tuple[int, int, Future, Callable, tuple, Callable[[], None]]] = []
+        self._heap: list[tuple[int, int, int, Future, Callable, tuple, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._pending = 0
         self._slots = [_Slot() for _ in range(workers)]
@@ -249,10 +249,10 @@ class BoundedPool:
                 "replaced": self.replaced, "pending": self._pending, "worker_start_ms": start_ms}
 
     async def run(
-        self, fn: Callable[..., T], *args: object, high: bool = False,
+        self, fn: Callable[..., T], *args: object, high: bool = False, rank: int = 0,
         budget_s: float | None = None, run_limit_s: float | None = None,
     ) -> T:
-        """Run ``fn(*args)`` on the pool (``high`` priority first) and return its result.
+        """Run ``fn(*args)`` on the pool (``high`` priority first, then lower ``rank``) and return its result.
 
         Raises ``Overloaded`` when the pool is full, or when the job has not started
         within ``budget_s`` seconds (it is then cancelled). Raises ``JobTimeout`` when
@@ -274,7 +274,7 @@ class BoundedPool:
             if self._pending >= self.capacity:
                 raise Overloaded(f"decoding capacity is exhausted ({self.capacity} uploads in progress)", self.retry_after_s)
             self._pending += 1
-            heapq.heappush(self._heap, (0 if high else 1, next(self._seq), future, fn, args, on_start))
+            heapq.heappush(self._heap, (0 if high else 1, rank, next(self._seq), future, fn, args, on_start))
             self._cond.notify()
         submitted = time.monotonic()
         result = asyncio.wrap_future(future)
@@ -326,7 +326,7 @@ class BoundedPool:
             with self._cond:
                 while not self._heap:
                     self._cond.wait()
-                _, _, future, fn, args, on_start = heapq.heappop(self._heap)
+                _, _, _, future, fn, args, on_start = heapq.heappop(self._heap)
                 running = future.set_running_or_notify_cancel()
                 if running:
                     slot.job, slot.abandoned = future, False

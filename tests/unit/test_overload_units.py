@@ -154,21 +154,22 @@ def test_cache_is_lru_bounded_and_can_be_off():
     assert off.get(keys[0]) is None
 
 
-def test_pool_runs_high_priority_first():
+def test_pool_runs_high_priority_first_then_lower_rank_then_in_arrival_order():
     async def scenario():
         pool = BoundedPool(workers=1, queue=10)
         gate = threading.Event()
         order: list[str] = []
         blocker = asyncio.create_task(pool.run(gate.wait))
         await asyncio.sleep(0.05)
-        normal = [asyncio.create_task(pool.run(order.append, f"n{i}")) for i in range(3)]
-        high = asyncio.create_task(pool.run(order.append, "h", high=True))
+        jobs = [asyncio.create_task(pool.run(order.append, name, high=high, rank=rank))
+                for name, high, rank in (("n1", False, 1), ("n0", False, 0), ("h1", True, 1), ("n1b", False, 1),
+                                         ("h0", True, 0), ("n0b", False, 0))]
         await asyncio.sleep(0.05)
         gate.set()
-        await asyncio.gather(blocker, *normal, high)
+        await asyncio.gather(blocker, *jobs)
         return order
 
-    assert asyncio.run(scenario())[0] == "h"
+    assert asyncio.run(scenario()) == ["h0", "h1", "n0", "n0b", "n1", "n1b"]
 
 
 def test_pool_bounds_queue_start_wait_and_run_time():

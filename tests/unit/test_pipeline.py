@@ -78,3 +78,28 @@ def test_slow_primary_times_out_at_deadline_minus_reserve():
     answer = asyncio.run(chain.classify(encode(photo("coffee")), 3, Deadline(1_000, fallback_reserve_ms=300)))
     assert answer["degraded_reason"] == "primary_timeout" and answer["model"]["name"] == "fallback"
     assert answer["timings_ms"]["total"] < 1_000
+
+
+class RankRecordingPool(BoundedPool):
+    """The real thread pool, noting the decode ``rank`` of each job it is given."""
+
+    def __init__(self) -> None:
+        super().__init__(2, 8)
+        self.ranks: list[int] = []
+
+    async def run(self, fn, *args, rank: int = 0, **kwargs):
+        self.ranks.append(rank)
+        return await super().run(fn, *args, rank=rank, **kwargs)
+
+
+def test_an_upload_the_primary_took_decodes_before_one_sent_to_the_fallback():
+    """Issue 13 item 3: under overload the decoders must feed the primary first."""
+    pool = RankRecordingPool()
+    service = classifier(Settings(), pool=pool)
+    data = encode(photo("chelsea"))
+    assert asyncio.run(service.classify(data, 1, Deadline(10_000)))["degraded_reason"] is None
+    held = []
+    while service.primary.gate.refusal(False, 10.0) is None:  # fill the primary's gate
+        held.append(service.primary.gate.reserve(False, 10.0))
+    assert asyncio.run(service.classify(data, 1, Deadline(10_000)))["degraded_reason"] == "primary_overloaded"
+    assert pool.ranks == [0, 1]
