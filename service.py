@@ -53,6 +53,7 @@ from rampart.api.lifecycle import mark_worker_ready
 from rampart.api.lifecycle import logger as lifecycle_log
 from rampart.api.routing import JSONRouteErrors
 from rampart.config import get_settings
+from rampart.cores import place_this_process
 from rampart.inputs.buckets import buckets_for_resolution
 from rampart.overload.looplag import LoopLagMonitor
 from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
@@ -161,6 +162,7 @@ class Rampart:
         shadow_runner = bentoml.depends(Shadow)
 
     def __init__(self) -> None:
+        place_this_process("api", settings)  # before the decode pool, whose workers inherit the cores
         self.classifier = Classifier(
             settings,
             model_endpoint(settings.primary_model, self.primary),

@@ -310,8 +310,9 @@ def ceiling_scenario(out: Path, quick: bool, deadline_ms: float = DEADLINE_MS) -
     finally:
         finish_import(importing)
     store, tag = directory / "store" / "models", f"{NEAR_FREE_NAME}:latest"
-    servers = {"rampart_1_worker": ("rampart", {"RAMPART_API_WORKERS": "1"}),
-               "rampart_2_workers": ("rampart", {"RAMPART_API_WORKERS": "2"}),
+    # No reserved core for a model that costs nothing (rampart.cores): the API workers get every core.
+    servers = {"rampart_1_worker": ("rampart", {"RAMPART_API_WORKERS": "1", "RAMPART_CPU_PINNING": "off"}),
+               "rampart_2_workers": ("rampart", {"RAMPART_API_WORKERS": "2", "RAMPART_CPU_PINNING": "off"}),
                "naive": ("naive", {})}
     if quick:
         del servers["rampart_1_worker"]

@@ -11,7 +11,9 @@ every replica.
 
 On one machine this only simulates separate hosts: the replicas share its CPU cores,
 so CPU-bound capacity does not add up (tests/server/test_cluster.py makes each replica's
-capacity latency-bound to see the load balancer's effect).
+capacity latency-bound to see the load balancer's effect). For the same reason the replicas
+run with ``RAMPART_CPU_PINNING=off`` unless the environment says otherwise: each would
+reserve the same cores for its primary (``rampart.cores``).
 
 ``Replica``, ``Nginx`` and ``Cluster`` are also what the tests drive.
 """
@@ -199,7 +201,7 @@ class Cluster:
     def __init__(self, run_dir: Path, replicas: int = 2, port: int = 8080, env: dict[str, str] | None = None) -> None:
         self.run_dir = run_dir
         self.count = replicas
-        self.env = env
+        self.env = {"RAMPART_CPU_PINNING": os.environ.get("RAMPART_CPU_PINNING", "off"), **(env or {})}
         self.replicas: list[Replica] = []
         self.nginx = Nginx(run_dir, port)
         self.url = self.nginx.url

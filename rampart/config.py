@@ -133,6 +133,10 @@ class Settings(BaseModel):
     # OpenMP's wait policy (OMP_WAIT_POLICY, PASSIVE unless set) is set in service.py.
     primary_cpu_threads: int = Field(0, ge=0)
     fallback_cpu_threads: int = Field(0, ge=0)
+    # CPU placement (rampart.cores): "auto" reserves the primary's cores on a CPU-only host and
+    # pins every other process to the rest; "off" leaves placement to the OS (replicas sharing
+    # one host, deploy.cluster, use it: each would reserve the same cores).
+    cpu_pinning: Literal["auto", "off"] = "auto"
     # Share of the GPU's memory the primary may allocate (torch.cuda.set_per_process_memory_fraction).
     gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
 

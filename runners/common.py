@@ -15,7 +15,6 @@ request loses its model.
 from __future__ import annotations
 
 import gc
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -29,12 +28,13 @@ from inference.stored import load_engine
 from rampart.api.lifecycle import RUNNER_EXIT_MARGIN_S, intercept_exit_signals, wait_for_entry_workers
 from rampart.api.lifecycle import logger as lifecycle_log
 from rampart.config import Settings, default_cpu_threads, get_settings
+from rampart.cores import place_this_process, usable_cores
 from rampart.faults import FaultInjector, FaultSpec
 from rampart.inputs.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
 from rampart.telemetry import metrics
 
 __all__ = ["RunnerItem", "RunnerResult", "BucketedRunner", "RunnerSpec", "runner_spec", "load_engine", "define_runner",
-           "lower_cpu_priority", "dispatch_when_free"]
+           "dispatch_when_free"]
 
 
 def dispatch_when_free() -> None:
@@ -112,14 +112,15 @@ class BucketedRunner:
 
     def setup(self, role: str, resolution: int, faults: FaultInjector, max_batch_size: int, nice: int = 0,
               max_deadline_ms: int = 60_000) -> None:
-        """Set buckets, faults and counters and lower this process's CPU priority to ``nice``.
+        """Set buckets, faults and counters, lower this process's CPU priority to ``nice`` and pin it to
+        its cores (``rampart.cores.place_this_process``).
 
         Call once from the subclass ``__init__``, before warm-up creates the
-        inference threads (they inherit the niceness of the thread creating them).
+        inference threads (they inherit the niceness and cores of the thread creating them).
         ``max_deadline_ms`` bounds how long the runner outlives a SIGTERM (see
         ``outlive_entry_service``).
         """
-        lower_cpu_priority(nice)
+        place_this_process(role, get_settings(), nice)
         self.max_deadline_ms = max_deadline_ms
         self.role = role
         metrics.init_runner_series(role)
@@ -172,8 +173,10 @@ class BucketedRunner:
     @bentoml.api(route="/stats")
     async def stats(self) -> dict:
         """Counters of this runner: ``warmup_ms_per_image`` (ms), ``warmup_s`` (duration of ``warm_up``, s),
-        ``compute_batch_size``, ``ttl_dropped`` and ``oom_splits`` (counts)."""
+        ``compute_batch_size``, ``ttl_dropped`` and ``oom_splits`` (counts), and ``cores``: the CPU ids
+        this runner may run on (``rampart.cores``)."""
         return {
+            "cores": usable_cores(),
             "warmup_ms_per_image": self.warmup_ms_per_image,
             "warmup_s": round(self.warmup_s, 3),
             "compute_batch_size": self.compute_batch_size,
@@ -246,22 +249,6 @@ class BucketedRunner:
         return results
 
 
-def lower_cpu_priority(nice: int) -> None:
-    """Raise the niceness of every thread of this process to at least ``nice`` (Linux; no-op elsewhere).
-
-    Linux applies niceness per thread, so each task in ``/proc/self/task`` is set.
-    """
-    if nice <= 0 or not os.path.isdir("/proc/self/task"):
-        return
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            current = os.getpriority(os.PRIO_PROCESS, int(tid))
-            if current < nice:
-                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
-        except OSError:
-            pass  # the thread ended meanwhile
-
-
 def runner_access_log_enabled() -> bool:
     """Whether the runners write BentoML's access line for every call (batch and ``/stats``).
 
@@ -332,8 +319,7 @@ def engine_cpu_threads(spec: RunnerSpec) -> int:
         return spec.cpu_threads
     from inference.engines import cuda_present
 
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return default_cpu_threads(spec.role, cores, cuda_present())
+    return default_cpu_threads(spec.role, len(usable_cores()), cuda_present())
 
 
 def define_runner(role: str, name: str, doc: str) -> bentoml.Service:

@@ -39,6 +39,7 @@ from starlette.types import ASGIApp
 from rampart.api import http, oip
 from rampart.api.lifecycle import Lifecycle
 from rampart.config import Settings
+from rampart.cores import usable_cores
 from rampart.errors import InternalError, InvalidParameter, Overloaded, RampartError, Unavailable
 from rampart.overload.deadline import Deadline
 from rampart.pipeline import Classifier
@@ -271,10 +272,12 @@ def batch_timings_ms(results: list[dict], total_ms: float) -> dict[str, float]:
 
 def api_worker(settings: Settings) -> dict:
     """Which API worker answers: ``index`` (BentoML's worker id, 1..``of``; None outside ``bentoml serve``),
-    ``pid`` and ``of`` (``api_workers``). With several workers, ``/stats`` is that worker's own state."""
+    ``pid``, ``of`` (``api_workers``) and ``cores``, the CPU ids it may run on (``rampart.cores``). With
+    several workers, ``/stats`` is that worker's own state."""
     from bentoml._internal.context import server_context  # BentoML sets worker_index in each worker
 
-    return {"index": server_context.worker_index, "pid": os.getpid(), "of": settings.api_workers}
+    return {"index": server_context.worker_index, "pid": os.getpid(), "of": settings.api_workers,
+            "cores": usable_cores()}
 
 
 async def stats(request: Request, state: AppState) -> Response:

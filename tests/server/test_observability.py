@@ -140,3 +140,23 @@ def test_every_metric_the_grafana_dashboard_queries_exists(server):
     assert {"rampart_gpu_memory_used_bytes", "rampart_gpu_memory_total_bytes"} <= queried
     missing = missing_metrics(server, queried)
     assert not missing, f"the dashboard queries metrics that /metrics lacks: {missing}"
+
+
+def test_stats_shows_the_primarys_reserved_cores_apart_from_everyone_elses(server):
+    """``rampart.cores`` on a real server: the plan this host gets (a CPU-only 2-core host: the primary on
+    one core, the API worker, its decoders and the fallback on the other), as each process reports it."""
+    from bench.process_cpu import server_processes
+    from rampart.config import Settings
+    from rampart.cores import host_core_plan, usable_cores
+
+    stats = httpx.get(f"{server.url}/stats", timeout=30).json()
+    seen = {"api": stats["api_worker"]["cores"], "primary": stats["primary"]["runner"]["cores"],
+            "fallback": stats["fallback"]["runner"]["cores"]}
+    plan = host_core_plan(Settings())
+    if plan is None:  # a GPU host, one core, or a CPU quota: no pinning
+        assert seen == dict.fromkeys(seen, usable_cores()), seen
+    else:
+        assert seen == {"api": list(plan.others), "primary": list(plan.primary), "fallback": list(plan.others)}, seen
+        assert not set(plan.primary) & set(plan.others)
+        decoders = [process for role, process in server_processes(server.pid).values() if role == "decode"]
+        assert decoders and all(process.cpu_affinity() == list(plan.others) for process in decoders)

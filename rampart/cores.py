@@ -1,0 +1,154 @@
+"""Where each of Rampart's processes runs on the CPU: its niceness and, on a CPU host, its cores.
+
+On a CPU-only host the primary model and the rest (API workers, decode workers, the
+fallback and shadow models) compete for the same cores. Niceness alone does not keep
+the primary at its capacity under overload: Linux weighs niceness only between tasks
+on one core's run queue, and the scheduler spreads the API layer, the decoders and the
+fallback over every core, the primary's too. Measured on the 2-core host at 16
+closed-loop clients (README, "CPU placement"): unpinned, the primary got 0.72 of a core
+and answered 11.6 req/s; with its core reserved, 0.96 and 18.7.
+
+So, by default (``RAMPART_CPU_PINNING=auto``), the primary runner is pinned to the first
+``primary_threads`` usable cores and every other process to the cores left
+(``core_plan``). There is no pinning on a GPU host (the primary computes on the GPU
+and needs no reserved core), with one core, when the primary's threads would leave no
+core to the rest, or under a cgroup CPU quota smaller than the visible cores (a
+Kubernetes pod without a static CPU manager policy: its visible cores are shared with
+other pods, so reserving "core 0" would pile every pod's primary onto one core).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from rampart.config import Settings, default_cpu_threads
+
+__all__ = ["CorePlan", "core_plan", "cpu_quota_cores", "gpu_device_present", "host_core_plan", "lower_cpu_priority",
+           "pin_this_process", "place_this_process", "usable_cores"]
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+@dataclass(frozen=True)
+class CorePlan:
+    """CPU ids reserved for the primary runner (``primary``) and those every other process uses (``others``)."""
+
+    primary: tuple[int, ...]
+    others: tuple[int, ...]
+
+    def cores_of(self, role: str) -> tuple[int, ...]:
+        """The cores of a process of ``role``: "primary", or anything else ("api", "fallback", "shadow")."""
+        return self.primary if role == "primary" else self.others
+
+
+def usable_cores() -> list[int]:
+    """The CPU ids this process may run on (``sched_getaffinity``), sorted; all CPUs where that is missing."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
+def cpu_quota_cores(root: Path = CGROUP_ROOT) -> float | None:
+    """The cgroup's CPU quota in cores (quota / period), or None when unlimited or unknown.
+
+    Reads cgroup v2 ``cpu.max`` ("max 100000" or "200000 100000"), else cgroup v1
+    ``cpu/cpu.cfs_quota_us`` and ``cpu/cpu.cfs_period_us`` (quota -1: unlimited).
+    """
+    try:
+        quota, period = (root / "cpu.max").read_text().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+        return None if quota_us <= 0 else quota_us / period_us
+    except (OSError, ValueError):
+        return None
+
+
+def gpu_device_present() -> bool:
+    """Whether an NVIDIA GPU is visible to this process without importing torch: a ``/dev/nvidia<N>``
+    device node exists and ``CUDA_VISIBLE_DEVICES`` does not hide every device ("" or "-1")."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES", "unset").strip() in ("", "-1"):
+        return False
+    return any(name[len("nvidia"):].isdigit() for name in os.listdir("/dev") if name.startswith("nvidia")) \
+        if os.path.isdir("/dev") else False
+
+
+def core_plan(cores: list[int], primary_threads: int, gpu: bool, quota_cores: float | None) -> CorePlan | None:
+    """The primary's reserved cores and everyone else's, or None for no pinning.
+
+    ``cores``: usable CPU ids; ``primary_threads``: the primary's intra-op CPU threads;
+    ``gpu``: whether the primary computes on a GPU; ``quota_cores``: the cgroup quota in
+    cores (None: unlimited). None when ``gpu``, with fewer than 2 cores, when
+    ``primary_threads`` would leave no core to the rest, or when the quota is below the
+    number of cores (see the module doc).
+    """
+    if gpu or len(cores) < 2 or not 1 <= primary_threads < len(cores):
+        return None
+    if quota_cores is not None and quota_cores < len(cores):
+        return None
+    ordered = sorted(cores)
+    return CorePlan(tuple(ordered[:primary_threads]), tuple(ordered[primary_threads:]))
+
+
+def host_core_plan(settings: Settings) -> CorePlan | None:
+    """``core_plan`` for this host and ``settings`` (``cpu_pinning`` "off": None).
+
+    Every process of a server computes it from the same inputs (the cores the server
+    was started with, ``primary_cpu_threads`` or ``default_cpu_threads``), so they agree;
+    call it before ``pin_this_process`` narrows this process's cores.
+    """
+    if settings.cpu_pinning == "off":
+        return None
+    cores, gpu = usable_cores(), gpu_device_present()
+    threads = settings.primary_cpu_threads or default_cpu_threads("primary", len(cores), gpu)
+    return core_plan(cores, threads, gpu, cpu_quota_cores())
+
+
+def _threads() -> list[int]:
+    """Thread ids of this process (Linux ``/proc/self/task``); just this thread (0) elsewhere."""
+    return [int(tid) for tid in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
+
+
+def lower_cpu_priority(nice: int) -> None:
+    """Raise the niceness of every thread of this process to at least ``nice`` (Linux; no-op elsewhere).
+
+    Linux applies niceness per thread, so each task in ``/proc/self/task`` is set.
+    """
+    if nice <= 0 or not os.path.isdir("/proc/self/task"):
+        return
+    for tid in _threads():
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:
+            pass  # the thread ended meanwhile
+
+
+def pin_this_process(cores: tuple[int, ...]) -> None:
+    """Restrict every thread of this process to ``cores`` (threads and processes started later inherit it)."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
+    for tid in _threads():
+        try:
+            os.sched_setaffinity(tid, cores)
+        except OSError:
+            pass  # the thread ended meanwhile
+
+
+def place_this_process(role: str, settings: Settings, nice: int = 0) -> tuple[int, ...] | None:
+    """Set this process's niceness (``nice``) and, under ``host_core_plan``, pin it to ``role``'s cores.
+
+    Call before the process starts its worker threads or child processes, so they inherit
+    both. Returns the cores it was pinned to, or None when it was not pinned.
+    """
+    plan = host_core_plan(settings)
+    cores = plan.cores_of(role) if plan else None
+    if cores:
+        pin_this_process(cores)
+    lower_cpu_priority(nice)
+    return cores

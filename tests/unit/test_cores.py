@@ -1,0 +1,72 @@
+"""CPU placement (``rampart.cores``): which cores the primary reserves, when it reserves none, and the pinning."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from rampart.config import Settings
+from rampart.cores import CorePlan, core_plan, cpu_quota_cores, host_core_plan
+
+
+def test_cpu_host_reserves_the_primarys_threads_cores_and_gives_the_rest_to_everyone_else():
+    assert core_plan([0, 1], 1, gpu=False, quota_cores=None) == CorePlan((0,), (1,))
+    plan = core_plan(list(range(16)), 11, gpu=False, quota_cores=16.0)
+    assert plan.cores_of("primary") == tuple(range(11))
+    assert plan.cores_of("fallback") == plan.cores_of("api") == plan.cores_of("shadow") == tuple(range(11, 16))
+    assert core_plan([5, 3, 9], 1, gpu=False, quota_cores=None) == CorePlan((3,), (5, 9))  # the ids it may use
+
+
+@pytest.mark.parametrize("cores, threads, gpu, quota", [
+    ([0, 1], 1, True, None),  # the primary computes on the GPU
+    ([0], 1, False, None),  # one core: nothing to divide
+    ([0, 1], 2, False, None),  # the primary's threads would leave the rest no core
+    ([0, 1, 2, 3], 0, False, None),
+    (list(range(16)), 11, False, 4.0),  # a quota below the visible cores: they are shared with others
+])
+def test_no_pinning_where_a_reservation_would_hurt(cores, threads, gpu, quota):
+    assert core_plan(cores, threads, gpu, quota) is None
+
+
+def test_setting_off_turns_pinning_off():
+    assert host_core_plan(Settings(cpu_pinning="off")) is None
+
+
+def test_cgroup_quota_in_cores_from_v2_and_v1_files(tmp_path):
+    (tmp_path / "cpu.max").write_text("250000 100000\n")
+    assert cpu_quota_cores(tmp_path) == 2.5
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cpu_quota_cores(tmp_path) is None
+    (tmp_path / "cpu.max").unlink()
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert cpu_quota_cores(tmp_path) == 1.5
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cpu_quota_cores(tmp_path) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
+                    or (cpu_quota_cores() or 99) < len(os.sched_getaffinity(0)), reason="needs 2 cores, no CPU quota")
+def test_a_process_placed_as_primary_or_api_runs_on_its_cores_only_with_every_thread():
+    """In a child process (pinning is for good): each thread, and a thread started later, has the role's cores."""
+    code = """
+import os, threading, sys
+from rampart.config import Settings
+from rampart.cores import host_core_plan, place_this_process
+settings = Settings(cpu_pinning="auto", primary_cpu_threads=1)
+plan = host_core_plan(settings)
+early = threading.Thread(target=threading.Event().wait, daemon=True); early.start()
+cores = place_this_process(sys.argv[1], settings, nice=3)
+later = []
+t = threading.Thread(target=lambda: later.append(os.sched_getaffinity(0))); t.start(); t.join()
+tasks = {tuple(sorted(os.sched_getaffinity(int(tid)))) for tid in os.listdir("/proc/self/task")}
+print(plan.cores_of(sys.argv[1]) == cores, tasks == {cores}, tuple(sorted(later[0])) == cores, os.getpriority(os.PRIO_PROCESS, 0))
+"""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # a CPU host's plan even where a GPU is present
+    for role in ("primary", "api"):
+        done = subprocess.run([sys.executable, "-c", code, role], capture_output=True, text=True, timeout=60, env=env)
+        assert done.stdout.split() == ["True", "True", "True", "3"], (role, done.stdout, done.stderr[-2000:])
