@@ -171,9 +171,14 @@ def test_fault_drill_cache_static_answer_breaker_open_and_close(drill):
             async with httpx.AsyncClient(base_url=server.url, timeout=10) as aclient:
                 return await asyncio.gather(*(aclient.post("/classify", content=coffee) for _ in range(n)))
 
-        for response in asyncio.run(round_of(8)) + asyncio.run(round_of(8)):
-            assert response.status_code == 200, response.text
-            assert (response.json()["model"] or {}).get("name") == "rampart-fallback", response.text
+        # Rounds of 8 until the breaker opens (two sufficed alone; with another server sharing the
+        # cores in the full suite a third was once needed), at most four.
+        for _ in range(4):
+            for response in asyncio.run(round_of(8)):
+                assert response.status_code == 200, response.text
+                assert (response.json()["model"] or {}).get("name") == "rampart-fallback", response.text
+            if client.get("/stats").json()["primary"]["breaker"] == "open":
+                break
         assert client.get("/stats").json()["primary"]["breaker"] == "open"
         during = client.post("/classify", content=coffee).json()
         assert during["degraded_reason"] == "primary_circuit_open"
