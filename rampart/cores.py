@@ -9,8 +9,8 @@ closed-loop clients (README, "CPU placement"): unpinned, the primary got 0.72 of
 and answered 11.6 req/s; with its core reserved, 0.96 and 18.7.
 
 So, by default (``RAMPART_CPU_PINNING=auto``), the primary runner is pinned to the first
-``primary_threads`` usable cores and every other process to the cores left
-(``core_plan``). There is no pinning on a GPU host (the primary computes on the GPU
+``primary_threads`` usable cores (the shadow runner too: it takes what the primary
+leaves) and every other process to the cores left (``core_plan``). There is no pinning on a GPU host (the primary computes on the GPU
 and needs no reserved core), with one core, when the primary's threads would leave no
 core to the rest, or under a cgroup CPU quota smaller than the visible cores (a
 Kubernetes pod without a static CPU manager policy: its visible cores are shared with
@@ -39,8 +39,10 @@ class CorePlan:
     others: tuple[int, ...]
 
     def cores_of(self, role: str) -> tuple[int, ...]:
-        """The cores of a process of ``role``: "primary", or anything else ("api", "fallback", "shadow")."""
-        return self.primary if role == "primary" else self.others
+        """The cores of a process of ``role``: the primary's for "primary" and "shadow" (a candidate
+        primary, mirrored only while the models are idle, at niceness 15: it takes what the primary
+        leaves, never the API layer's core), the others' for anything else ("api", "fallback")."""
+        return self.primary if role in ("primary", "shadow") else self.others
 
 
 def usable_cores() -> list[int]:

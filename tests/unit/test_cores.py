@@ -16,7 +16,8 @@ def test_cpu_host_reserves_the_primarys_threads_cores_and_gives_the_rest_to_ever
     assert core_plan([0, 1], 1, gpu=False, quota_cores=None) == CorePlan((0,), (1,))
     plan = core_plan(list(range(16)), 11, gpu=False, quota_cores=16.0)
     assert plan.cores_of("primary") == tuple(range(11))
-    assert plan.cores_of("fallback") == plan.cores_of("api") == plan.cores_of("shadow") == tuple(range(11, 16))
+    assert plan.cores_of("fallback") == plan.cores_of("api") == tuple(range(11, 16))
+    assert plan.cores_of("shadow") == plan.cores_of("primary")  # a candidate primary takes what the primary leaves
     assert core_plan([5, 3, 9], 1, gpu=False, quota_cores=None) == CorePlan((3,), (5, 9))  # the ids it may use
 
 
