@@ -10,11 +10,12 @@ and answered 11.6 req/s; with its core reserved, 0.96 and 18.7.
 
 So, by default (``RAMPART_CPU_PINNING=auto``), the primary runner is pinned to the first
 ``primary_threads`` usable cores (the shadow runner too: it takes what the primary
-leaves) and every other process to the cores left (``core_plan``). There is no pinning on a GPU host (the primary computes on the GPU
-and needs no reserved core), with one core, when the primary's threads would leave no
-core to the rest, or under a cgroup CPU quota smaller than the visible cores (a
-Kubernetes pod without a static CPU manager policy: its visible cores are shared with
-other pods, so reserving "core 0" would pile every pod's primary onto one core).
+leaves) and every other process to the cores left (``core_plan``). There is no pinning
+on a GPU host (the primary computes on the GPU and needs no reserved core), with one
+core, when the primary's threads would leave no core to the rest, or under a cgroup CPU
+quota smaller than the visible cores (a Kubernetes pod without a static CPU manager
+policy: its visible cores are shared with other pods, so reserving "core 0" would pile
+every pod's primary onto one core).
 """
 
 from __future__ import annotations
