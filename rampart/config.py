@@ -65,6 +65,10 @@ class Settings(BaseModel):
     # Resize so the crop covers the bucket times this margin, then centre-crop.
     # 1.14 ~ 1/0.875, the crop ratio of the EfficientNet-Lite reference evaluation.
     crop_margin: float = Field(1.14, ge=1.0, le=2.0)
+    # Source pixels per output pixel (each axis) the decoder keeps: a JPEG is decoded at 1/2, 1/4 or
+    # 1/8 scale and any frame box-reduced only as far as the bucket still gets this many
+    # (rampart.inputs.buckets.shrink_rule). 1.0: measured top-1 agreement in README "Decoding".
+    decode_oversample: float = Field(1.0, ge=1.0, le=8.0)
 
     # Processes of the entry (API) service that accept HTTP requests (`bentoml.service(workers=...)`).
     # Each has its own admission gates, which divide the runners' capacity between the workers

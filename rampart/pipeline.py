@@ -10,7 +10,8 @@ when neither has room, no place taken) and takes its place once the body is in
 ``rampart.overload.deadline.Deadline`` that carries its slices) covers everything:
 
 - decoding and resizing run on a ``BoundedPool`` of worker processes
-  (``rampart.inputs.decode_job.prepare``: bytes in, both models' bucket arrays out): 429
+  (``rampart.inputs.decode_job.prepare``: bytes in, the base model's bucket array out;
+  the other model's input is made from it only when that model is called): 429
   when it is full or no decoder frees up before the deadline, 422
   ``decode_timeout`` when one decode runs past ``decode_timeout_ms`` (its worker
   is killed and replaced, so the slot is free at once);
@@ -69,7 +70,7 @@ from rampart.inputs.buckets import Bucket
 from rampart.cache import CachedAnswer, ResultCache
 from rampart.config import Settings
 from rampart.overload.deadline import Deadline, Share
-from rampart.inputs.decode_job import DecodePlan, Prepared, prepare
+from rampart.inputs.decode_job import DecodePlan, Prepared, model_input, prepare
 from rampart.inputs.decoding import DecodeLimits
 from rampart.errors import CorruptImage, DecodeTimeout, Overloaded
 from rampart.lane import Attempt, ModelEndpoint, ModelLane, RunnerAnswer
@@ -96,7 +97,8 @@ DECODE_RANK = {"first": 0, "second": 1}
 
 
 def decode_limits(settings: Settings, buckets: list[Bucket]) -> DecodeLimits:
-    """Decode limits from settings; JPEG draft keeps ≥ 2× the largest bucket side."""
+    """Decode limits from settings. ``min_decoded_side`` (2× the largest bucket side) only serves callers
+    of ``decode_image`` without a shrink rule; the pipeline's decode shrinks by ``DecodePlan``'s rule."""
     return DecodeLimits(
         max_body_bytes=settings.max_body_bytes,
         max_pixels=settings.max_pixels,
@@ -167,8 +169,9 @@ class Classifier:
             metrics.init_cascade_series()
         self.cache = ResultCache(settings.cache_size)
         self.limits = decode_limits(settings, [*primary.buckets.values(), *fallback.buckets.values()])
-        self.plan = DecodePlan(self.limits, {"primary": primary.buckets, "fallback": fallback.buckets},
-                               settings.crop_margin, settings.fault_decode_hang, settings.fault_file)
+        self.plan = pool.share(DecodePlan(self.limits, {"primary": primary.buckets, "fallback": fallback.buckets},
+                                          settings.crop_margin, settings.fault_decode_hang, settings.fault_file,
+                                          settings.decode_oversample))
 
     def retry_after_s(self) -> float:
         """``Retry-After`` for a 429: when the first of the two models will have drained its queue.
@@ -233,12 +236,12 @@ class Classifier:
                 lane.release(ticket)
 
     async def _prepare(self, data: bytes, deadline: Deadline, high: bool, admission: Admission) -> Prepared:
-        """Decode ``data`` on the pool into both models' inputs (``rampart.inputs.decode_job.prepare``).
+        """Decode ``data`` on the pool into the base model's input (``rampart.inputs.decode_job.prepare``).
 
         Within a priority, a request that holds a place with the routing's first model
         decodes before one the first model refused (``DECODE_RANK``): under overload the
         decoders are the shared stage, and the first model, the primary, must not wait
-        idle behind uploads that are bound for the fallback anyway (issue 13 item 3).
+        idle behind uploads that are bound for the fallback anyway.
 
         Raises ``DecodeTimeout`` past ``decode_timeout_ms``, ``JobTimeout`` when the
         deadline ran out first, ``Overloaded`` when no decoder is free in time,
@@ -371,7 +374,7 @@ class Classifier:
                 return reserved
             ticket = reserved
             setattr(admission, lane.role, ticket)
-        return await lane.attempt(ticket, prepared.inputs[lane.role], deadline)
+        return await lane.attempt(ticket, model_input(prepared, lane.role, lane.endpoint.buckets), deadline)
 
     def confidence(self, probs: np.ndarray) -> float:
         """The fallback's confidence in its top-1 class (``cascade_confidence`` of ``rampart.results.confidences``)

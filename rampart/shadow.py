@@ -37,10 +37,9 @@ import time
 from typing import Awaitable, Callable, Sequence
 
 import numpy as np
-from PIL import Image
 from starlette.background import BackgroundTask
 
-from rampart.inputs.buckets import Bucket
+from rampart.inputs.buckets import Bucket, refit
 from rampart.telemetry import metrics
 
 __all__ = ["AnsweredBody", "ShadowMirror", "agreement", "shadow_input", "models_busy", "TOP_N"]
@@ -98,16 +97,15 @@ def shadow_input(inputs: dict[str, tuple[Bucket, np.ndarray]], buckets: dict[str
 
     The candidate's bucket has the same name (aspect ratio) as the primary's. An
     input already of that shape is used as is (the primary's first); otherwise the
-    primary's pixels, already cropped to that aspect ratio, are resized (bicubic).
-    Returns (Bucket, uint8 H×W×3).
+    primary's pixels, already cropped to that aspect ratio, are resized (bicubic,
+    ``rampart.inputs.buckets.refit``). Returns (Bucket, uint8 H×W×3).
     """
     primary_bucket, primary_pixels = inputs["primary"]
     target = buckets[primary_bucket.name]
     for _, (_, pixels) in sorted(inputs.items(), key=lambda item: item[0] != "primary"):
         if pixels.shape == target.shape:
             return target, pixels
-    resized = Image.fromarray(primary_pixels).resize((target.width, target.height), Image.Resampling.BICUBIC)
-    return target, np.asarray(resized, dtype=np.uint8)
+    return target, refit(primary_pixels, target)
 
 
 def models_busy(*lanes) -> Callable[[], bool]:

@@ -10,17 +10,28 @@ time and memory:
 2. ``Image.open`` reads only the header; the declared size is checked against
    ``max_pixels``, ``min_side_px`` and ``max_aspect_ratio`` and the number of
    frames against ``max_frames``, all before one pixel is decoded;
-3. a JPEG is decoded with ``Image.draft()``, scaled by 1/2, 1/4 or 1/8 in the DCT
-   domain to no less than ``min_decoded_side`` px, so an 8K photo never exists at
-   full size in memory;
+3. the caller's ``shrink`` rule (``ShrinkRule``) says, from the upright declared size,
+   how far the frame may be shrunk and still cover what the model needs (the
+   rule of ``rampart.inputs.buckets.shrink_rule``; without one, the short side stays
+   ≥ ``min_decoded_side``). A JPEG is decoded with ``Image.draft()``, scaled by 1/2,
+   1/4 or 1/8 in the DCT domain, so a phone photo is never decoded at full size;
 4. ``load()`` forces the decode here, so truncated or corrupt data fails in this
    function and nowhere later (``LOAD_TRUNCATED_IMAGES`` stays off);
-5. EXIF orientation is applied (a malformed EXIF block is logged and ignored),
-   and every mode becomes RGB: see ``to_rgb``;
-6. an upload Pillow refuses gets one second chance: ``rampart.inputs.recovery.repair``
+5. every mode becomes 8-bit RGB at the reduced size (``shrink_to_rgb``): the rest of
+   the shrink is an integer box filter (``Image.reduce``), and a frame that is not
+   RGB is converted strip by strip, so the transient memory of any mode stays within
+   that of an 8-bit RGB frame of the same size (a 16-bit or float frame is never
+   converted whole). Nothing is copied that would not change (an RGB frame with no
+   orientation tag is returned as decoded);
+6. EXIF orientation is read from the header before decoding and applied to the
+   small frame at the end (a malformed EXIF block is logged once and ignored).
+   Metadata never refuses pixels: Pillow's warnings about metadata the service does
+   not use are silenced, and ``relax_metadata_limits`` (called in decode workers)
+   raises the PNG text-chunk limits that would refuse a large embedded ICC profile;
+7. an upload Pillow refuses gets one second chance: ``rampart.inputs.recovery.repair``
    rebuilds benign container damage (a missing JPEG EOI, a bad CRC on a PNG
    ancillary chunk, a wrong WebP RIFF size...) and the rebuilt bytes go through
-   steps 2-5 again, as strictly. The decoding policy and what counts as pixel data
+   steps 2-6 again, as strictly. The decoding policy and what counts as pixel data
    materially missing, per format, are in that module's docstring and the README.
 """
 
@@ -28,11 +39,13 @@ from __future__ import annotations
 
 import io
 import logging
+import math
 import warnings
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
-from PIL import Image, ImageCms, ImageOps
+from PIL import ExifTags, Image, ImageCms, PngImagePlugin
 
 from rampart.inputs.decode_cost import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_JPEG_SCANS, check_decode_cost
 from rampart.errors import (
@@ -49,13 +62,40 @@ from rampart.errors import (
 )
 from rampart.inputs.recovery import repair
 
-__all__ = ["DecodeLimits", "DecodedImage", "SUPPORTED_FORMATS", "sniff_format", "decode_image", "to_rgb"]
+__all__ = ["DecodeLimits", "DecodedImage", "ShrinkRule", "SUPPORTED_FORMATS", "sniff_format", "decode_image",
+           "shrink_to_rgb", "to_rgb", "relax_metadata_limits", "STRIP_PIXELS", "MAX_METADATA_CHUNK_BYTES"]
 
 logger = logging.getLogger("rampart.inputs.decoding")
 
 # Rampart's own pixel cap decides for every format; Pillow's warning zone
 # (MAX_IMAGE_PIXELS .. 2×) would otherwise only warn.
 warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+# Pillow warns once per damaged metadata entry (an EXIF block of thousands of bad entries
+# writes thousands of lines): metadata the service does not use never reaches the log.
+# Damaged pixel data raises instead, so nothing that matters is hidden. "ignore" keeps no
+# per-message registry, so distinct messages cost no memory either.
+warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL(\.|$)")
+
+#: A caller's shrink rule: from the upright declared (width, height) in px, the largest
+#: factor (≥ 1, a float) by which the decoded frame may be shrunk on both axes.
+ShrinkRule = Callable[[int, int], float]
+#: Pixels per strip when a frame that is not RGB is converted and shrunk strip by strip (``shrink_to_rgb``):
+#: 2^20 px is 4 MiB as RGB, and few enough strips that the per-strip cost stays small.
+STRIP_PIXELS = 1 << 20
+#: EXIF orientations (tag 0x0112) that swap width and height.
+_SWAPPING_ORIENTATIONS = frozenset({5, 6, 7, 8})
+#: ``info`` keys that ``Image.getexif`` reads an orientation from (a TIFF's own tags, ``tag_v2``, are its EXIF).
+_ORIENTATION_SOURCES = frozenset({"exif", "Raw profile type exif", "XML:com.adobe.xmp", "xmp"})
+#: How to make each EXIF orientation upright (the transposes ``ImageOps.exif_transpose`` uses).
+_ORIENTATION_FIX = {
+    2: (Image.Transpose.FLIP_LEFT_RIGHT,),
+    3: (Image.Transpose.ROTATE_180,),
+    4: (Image.Transpose.FLIP_TOP_BOTTOM,),
+    5: (Image.Transpose.TRANSPOSE,),
+    6: (Image.Transpose.ROTATE_270,),
+    7: (Image.Transpose.TRANSVERSE,),
+    8: (Image.Transpose.ROTATE_90,),
+}
 
 #: Pillow format names Rampart accepts, in the order the error message lists them.
 SUPPORTED_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF")
@@ -101,7 +141,9 @@ class DecodedImage:
     """A decoded upload: ``image`` is RGB, upright; sizes are in pixels.
 
     ``declared_size`` is (width, height) from the file header, before draft
-    scaling and orientation; ``image.size`` is what was actually decoded.
+    scaling and orientation; ``upright_size`` is the declared size after EXIF
+    orientation (width and height swapped for a rotated photo); ``image.size`` is
+    what was actually decoded, after the shrink.
     ``warnings`` names the benign damage repaired to decode it (``rampart.inputs.recovery``,
     e.g. ``("jpeg_missing_eoi",)``); empty for an undamaged file.
     """
@@ -110,6 +152,7 @@ class DecodedImage:
     format: str
     declared_size: tuple[int, int]
     warnings: tuple[str, ...] = ()
+    upright_size: tuple[int, int] = (0, 0)
 
 
 def sniff_format(data: bytes) -> str:
@@ -129,9 +172,11 @@ def sniff_format(data: bytes) -> str:
     raise UnsupportedFormat(f"the body is not a recognised image; supported formats: {supported}")
 
 
-def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
-    """Decode untrusted ``data`` into an upright RGB image within ``limits``.
+def decode_image(data: bytes, limits: DecodeLimits, shrink: ShrinkRule | None = None) -> DecodedImage:
+    """Decode untrusted ``data`` into an upright RGB image within ``limits``, shrunk as far as ``shrink`` allows.
 
+    ``shrink`` (``ShrinkRule``) gives the largest shrink factor from the upright
+    declared size; None keeps the short side ≥ ``limits.min_decoded_side``.
     Returns a ``DecodedImage`` whose image is RGB, uint8 per channel.
     Raises only ``rampart.errors.ImageError`` subclasses: ``EmptyBody``,
     ``PayloadTooLarge``, ``UnsupportedFormat``, ``UndecodableImage``,
@@ -145,15 +190,17 @@ def decode_image(data: bytes, limits: DecodeLimits) -> DecodedImage:
         raise PayloadTooLarge(f"the image is {len(data)} bytes; the limit is {limits.max_body_bytes} bytes")
     fmt = sniff_format(data)
     check_decode_cost(data, fmt, limits.max_frames, limits.max_jpeg_scans, limits.max_chunks)
+    if shrink is None:
+        shrink = _short_side_rule(limits.min_decoded_side)
     try:
-        return _decode(data, fmt, limits)
+        return _decode(data, fmt, limits, shrink)
     except (UndecodableImage, CorruptImage) as refused:
         fixed = repair(data, fmt)
         if fixed is None:
             raise
         try:
-            decoded = _decode(fixed.data, fmt, limits)
-            control = None if fixed.control is None else _decode(fixed.control, fmt, limits)
+            decoded = _decode(fixed.data, fmt, limits, shrink)
+            control = None if fixed.control is None else _decode(fixed.control, fmt, limits, shrink)
         except (UndecodableImage, CorruptImage):
             raise refused from None
     if control is not None and not _same_pixels(decoded, control):
@@ -166,7 +213,12 @@ def _same_pixels(first: DecodedImage, second: DecodedImage) -> bool:
     return first.image.size == second.image.size and first.image.tobytes() == second.image.tobytes()
 
 
-def _decode(data: bytes, fmt: str, limits: DecodeLimits) -> DecodedImage:
+def _short_side_rule(min_side: int) -> ShrinkRule:
+    """The shrink rule without a model in view: the short side stays ≥ ``min_side`` px."""
+    return lambda width, height: min(width, height) / min_side
+
+
+def _decode(data: bytes, fmt: str, limits: DecodeLimits, shrink: ShrinkRule) -> DecodedImage:
     """Decode ``data`` (sniffed as ``fmt``) strictly; ``decode_image`` without the repair."""
     try:
         image = Image.open(io.BytesIO(data), formats=[fmt])
@@ -178,17 +230,54 @@ def _decode(data: bytes, fmt: str, limits: DecodeLimits) -> DecodedImage:
     _check_declared_size(declared, limits)
     frame_warnings = _check_frames(image, limits.max_frames)
     try:
-        if fmt == "JPEG":
-            image.draft(None, (limits.min_decoded_side, limits.min_decoded_side))
-        image.load()
-        image = _upright(image)
-        rgb = to_rgb(image, limits.alpha_background)
+        if fmt == "JPEG":  # the orientation is in the header: known before the (reduced) decode
+            orientation = _orientation(image)
+            factor = _factor(shrink, declared, orientation)
+            scale = _draft_scale(factor)
+            if scale > 1:  # Pillow picks the largest DCT scale keeping each side ≥ the size asked for
+                image.draft(None, (declared[0] // scale, declared[1] // scale))
+            image.load()
+        else:  # a PNG's eXIf chunk may follow its pixels: Pillow reads it only once they are decoded
+            image.load()
+            orientation = _orientation(image)
+            factor = _factor(shrink, declared, orientation)
+        upright = declared[::-1] if orientation in _SWAPPING_ORIENTATIONS else declared
+        rgb = shrink_to_rgb(image, int(factor * image.size[0] / declared[0]), limits.alpha_background)
+        for transpose in _ORIENTATION_FIX.get(orientation, ()):
+            rgb = rgb.transpose(transpose)
     except ImageError:
         raise
     except Exception as exc:  # every decoder failure is the input's fault: 4xx, never 5xx
         raise CorruptImage(f"the {fmt} data is truncated or corrupt: {type(exc).__name__}: {exc}") from exc
-    return DecodedImage(image=rgb, format=fmt, declared_size=declared, warnings=frame_warnings)
+    return DecodedImage(image=rgb, format=fmt, declared_size=declared, warnings=frame_warnings,
+                        upright_size=tuple(upright))
 
+
+def _factor(shrink: ShrinkRule, declared: tuple[int, int], orientation: int) -> float:
+    """``shrink``'s factor (at least 1) for a frame of ``declared`` size stored in EXIF ``orientation``."""
+    width, height = declared
+    return max(float(shrink(height, width) if orientation in _SWAPPING_ORIENTATIONS else shrink(width, height)), 1.0)
+
+
+def _draft_scale(factor: float) -> int:
+    """The JPEG DCT scale (1, 2, 4 or 8) for a frame that may be shrunk by ``factor``: the largest not above it."""
+    return next(scale for scale in (8, 4, 2, 1) if scale <= factor)
+
+
+def _orientation(image: Image.Image) -> int:
+    """The EXIF orientation (1-8) of an opened ``image``; 1 when absent or malformed (logged once).
+
+    For a JPEG this reads only the header; call it after ``load()`` for other formats
+    (a PNG's eXIf chunk may follow its pixel data).
+    """
+    if not hasattr(image, "tag_v2") and not _ORIENTATION_SOURCES.intersection(image.info):
+        return 1  # no EXIF or XMP block to read it from: skip Pillow's parse
+    try:
+        value = image.getexif().get(ExifTags.Base.Orientation, 1)
+    except Exception as exc:
+        logger.warning("ignoring malformed EXIF: %s: %s", type(exc).__name__, exc)
+        return 1
+    return value if isinstance(value, int) and 1 <= value <= 8 else 1
 
 def _check_declared_size(size: tuple[int, int], limits: DecodeLimits) -> None:
     width, height = size
@@ -243,20 +332,35 @@ def _check_frames(image: Image.Image, max_frames: int) -> tuple[str, ...]:
     return unreadable
 
 
-def _upright(image: Image.Image) -> Image.Image:
-    """Apply EXIF orientation; a malformed EXIF block is logged and the raw pixels kept."""
-    try:
-        return ImageOps.exif_transpose(image)
-    except Exception as exc:
-        logger.warning("ignoring malformed EXIF orientation: %s: %s", type(exc).__name__, exc)
-        return image
-
-
 _SRGB_PROFILE = ImageCms.createProfile("sRGB")
 
 
+def shrink_to_rgb(image: Image.Image, factor: int, background: tuple[int, int, int]) -> Image.Image:
+    """``image`` (any mode, loaded) as 8-bit RGB, shrunk by the integer ``factor`` with a box filter.
+
+    The result is ⌈W/factor⌉×⌈H/factor⌉ (``Image.reduce``). An RGB frame is reduced as
+    it is (and returned as is, no copy, when ``factor`` < 2). Any other mode is, with
+    ``factor`` ≥ 2, cropped into strips of about ``STRIP_PIXELS`` px, each converted
+    by ``to_rgb``'s rules, reduced and pasted into the output: a 16-bit, float or
+    CMYK frame is never converted whole, so the transient memory is one strip plus
+    the output. ``factor`` < 2 converts the whole (small) frame.
+    """
+    if factor < 2:
+        return to_rgb(image, background)
+    if image.mode == "RGB" and "transparency" not in image.info:
+        return image.reduce(factor)
+    width, height = image.size
+    rows = max(factor, STRIP_PIXELS // width // factor * factor)
+    convert = _rgb_converter(image, background)
+    out = Image.new("RGB", (math.ceil(width / factor), math.ceil(height / factor)))
+    for top in range(0, height, rows):
+        strip = image.crop((0, top, width, min(top + rows, height)))
+        out.paste(convert(strip).reduce(factor), (0, top // factor))
+    return out
+
+
 def to_rgb(image: Image.Image, background: tuple[int, int, int]) -> Image.Image:
-    """Convert any Pillow mode to 8-bit RGB.
+    """Convert any Pillow mode to 8-bit RGB; an RGB image without transparency is returned as is (no copy).
 
     - 16-bit and 32-bit integer modes (``I;16*``, ``I``) are scaled from 0..65535
       to 0..255 (right shift by 8), not clipped; ``F`` in 0..1 is scaled by 255,
@@ -266,27 +370,73 @@ def to_rgb(image: Image.Image, background: tuple[int, int, int]) -> Image.Image:
     - ``CMYK`` (including Adobe YCCK JPEGs, which Pillow decodes to CMYK) goes
       through the embedded ICC profile to sRGB when there is one.
     """
-    if image.mode.startswith("I") or image.mode == "F":
-        return _high_depth_to_rgb(image)
+    return _rgb_converter(image, background)(image)
+
+
+def _rgb_converter(image: Image.Image, background: tuple[int, int, int]) -> Callable[[Image.Image], Image.Image]:
+    """``to_rgb``'s conversion for ``image``'s mode and metadata, decided (and an ICC transform built) once,
+    so that ``shrink_to_rgb`` applies the same conversion to every strip of one frame."""
+    if image.mode == "F":
+        finite = max((float(np.nanmax(np.asarray(strip), initial=0.0)) for strip in _strips(image)), default=0.0)
+        return _float_to_rgb(255.0 if finite <= 1.0 else 1.0)
+    if image.mode.startswith("I"):
+        return _integer_to_rgb
     if image.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in image.info:
-        rgba = image.convert("RGBA")
-        flat = Image.new("RGB", rgba.size, background)
-        flat.paste(rgba, mask=rgba.getchannel("A"))
-        return flat
+        return lambda part: _flatten(part, background)
     if image.mode == "CMYK" and image.info.get("icc_profile"):
         try:
             source = ImageCms.ImageCmsProfile(io.BytesIO(image.info["icc_profile"]))
-            return ImageCms.profileToProfile(image, source, _SRGB_PROFILE, outputMode="RGB")
+            transform = ImageCms.buildTransform(source, _SRGB_PROFILE, "CMYK", "RGB")
+            return lambda part: ImageCms.applyTransform(part, transform)
         except Exception as exc:
             logger.warning("ignoring unusable CMYK ICC profile: %s", exc)
-    return image.convert("RGB")
+    if image.mode == "RGB":
+        return lambda part: part
+    return lambda part: part.convert("RGB")
 
 
-def _high_depth_to_rgb(image: Image.Image) -> Image.Image:
-    values = np.asarray(image)
-    if image.mode == "F":
-        scale = 255.0 if float(np.nanmax(values, initial=0.0)) <= 1.0 else 1.0
-        gray = np.clip(np.nan_to_num(values) * scale, 0, 255).astype(np.uint8)
-    else:
-        gray = (np.clip(values.astype(np.int64), 0, 65535) >> 8).astype(np.uint8)
+def _strips(image: Image.Image):
+    """``image`` cropped into horizontal strips of about ``STRIP_PIXELS`` px, top to bottom."""
+    width, height = image.size
+    rows = max(1, STRIP_PIXELS // width)
+    for top in range(0, height, rows):
+        yield image.crop((0, top, width, min(top + rows, height)))
+
+
+def _flatten(image: Image.Image, background: tuple[int, int, int]) -> Image.Image:
+    rgba = image.convert("RGBA")
+    flat = Image.new("RGB", rgba.size, background)
+    flat.paste(rgba, mask=rgba.getchannel("A"))
+    return flat
+
+
+def _float_to_rgb(scale: float) -> Callable[[Image.Image], Image.Image]:
+    def convert(image: Image.Image) -> Image.Image:
+        gray = np.clip(np.nan_to_num(np.asarray(image)) * scale, 0, 255).astype(np.uint8)
+        return Image.fromarray(gray, mode="L").convert("RGB")
+    return convert
+
+
+def _integer_to_rgb(image: Image.Image) -> Image.Image:
+    gray = (np.clip(np.asarray(image).astype(np.int64), 0, 65535) >> 8).astype(np.uint8)
     return Image.fromarray(gray, mode="L").convert("RGB")
+
+
+#: The largest PNG text or ICC chunk a decode worker inflates (``relax_metadata_limits``), bytes.
+MAX_METADATA_CHUNK_BYTES = 16 << 20
+
+
+def relax_metadata_limits(max_body_bytes: int) -> None:
+    """Let Pillow read PNG metadata as large as a real upload carries: for decode workers only.
+
+    Pillow refuses a PNG whose compressed text or ICC chunk inflates past
+    ``PngImagePlugin.MAX_TEXT_CHUNK`` (1 MiB), so a valid photo with a large embedded
+    display profile was answered ``undecodable_image``. Raised to the smaller of
+    ``max_body_bytes`` and ``MAX_METADATA_CHUNK_BYTES`` (16 MiB) per chunk, and all
+    text chunks together to 4× that (at least Pillow's 64 MiB): each inflate stays
+    bounded, so a deflate bomb in a chunk costs at most that, and
+    ``Image.MAX_IMAGE_PIXELS`` (the decompression-bomb check) is untouched.
+    """
+    chunk = max(PngImagePlugin.MAX_TEXT_CHUNK, min(max_body_bytes, MAX_METADATA_CHUNK_BYTES))
+    PngImagePlugin.MAX_TEXT_CHUNK = chunk
+    PngImagePlugin.MAX_TEXT_MEMORY = max(PngImagePlugin.MAX_TEXT_MEMORY, 4 * chunk)

@@ -17,7 +17,11 @@ raises ``JobTimeout``. What happens to the overrunning job depends on the mode:
   free at once, and a new process takes its place; a worker that dies on its own
   (a decoder crash, the OOM killer) is replaced the same way and its job raises
   ``WorkerDied``. Jobs must be picklable: a module-level function and its
-  arguments go in, its return value comes back through a pipe.
+  arguments go in, its return value comes back through a pipe. The hand-off is
+  lean (``_send`` / ``_receive``): pickle protocol 5 with large ``bytes`` (the
+  upload) and numpy arrays (the pixels) sent as raw frames beside a small header,
+  never copied into a pickle stream, and objects given to ``share`` (the decode
+  plan) sent once per worker process, then named by a key.
 - ``processes=False``: workers are threads of this process. A thread cannot be
   killed, so a timed-out job keeps its slot until it really ends; the bound on
   memory still holds.
@@ -31,11 +35,13 @@ from __future__ import annotations
 import asyncio
 import atexit
 import heapq
+import io
 import itertools
 import logging
 import multiprocessing
 import multiprocessing.util  # registers its exit hook before ours, so ours (LIFO) runs first
 import os
+import pickle
 import signal
 import sys
 import threading
@@ -71,8 +77,61 @@ class _Abandoned(Exception):
     """The job's process was killed on purpose; nobody waits for its result any more."""
 
 
+#: ``bytes`` at least this long travel as raw frames beside the pickle header (``_send``).
+_RAW_FRAME_BYTES = 16 << 10
+_DEFINE, _JOB = b"D", b"J"
+
+
+def _as_is(frame):
+    """Unpickling a raw frame: the received ``bytes`` object itself, no copy."""
+    return frame
+
+
+class _Pickler(pickle.Pickler):
+    """Protocol 5: numpy arrays and large ``bytes`` go out of band; objects in ``shared`` by their key."""
+
+    def __init__(self, file, buffers: list, shared: dict[int, str]) -> None:
+        super().__init__(file, protocol=5, buffer_callback=buffers.append)
+        self.shared = shared
+
+    def reducer_override(self, obj):
+        if type(obj) is bytes and len(obj) >= _RAW_FRAME_BYTES:
+            return _as_is, (pickle.PickleBuffer(obj),)
+        return NotImplemented
+
+    def persistent_id(self, obj):
+        return self.shared.get(id(obj))
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, buffers: list, known: dict[str, object]) -> None:
+        super().__init__(file, buffers=buffers)
+        self.known = known
+
+    def persistent_load(self, key):
+        return self.known[key]
+
+
+def _send(conn, kind: bytes, obj, shared: dict[int, str] | None = None) -> None:
+    """Send ``obj`` as one header (``kind``, the frame count, the pickle) and its raw frames."""
+    buffers: list[pickle.PickleBuffer] = []
+    stream = io.BytesIO()
+    _Pickler(stream, buffers, shared or {}).dump(obj)
+    conn.send_bytes(kind + len(buffers).to_bytes(4, "little") + stream.getbuffer())
+    for buffer in buffers:
+        conn.send_bytes(buffer.raw())
+
+
+def _receive(conn, known: dict[str, object] | None = None) -> tuple[bytes, object]:
+    """The (kind, object) ``_send`` sent; shared objects are looked up in ``known``."""
+    header = conn.recv_bytes()
+    frames = [conn.recv_bytes() for _ in range(int.from_bytes(header[1:5], "little"))]
+    return header[:1], _Unpickler(io.BytesIO(memoryview(header)[5:]), frames, known or {}).load()
+
+
 def _serve(conn, nice: int) -> None:
-    """A worker process: run ``(fn, args)`` from ``conn`` and send back ``("ok", result)`` or ``("error", exc)``."""
+    """A worker process: run each job ``(fn, args)`` from ``conn`` and send back ``("ok", result)`` or
+    ``("error", exc)``; a definition ``(key, obj)`` is kept for the jobs that name ``key`` (``BoundedPool.share``)."""
     # Ctrl-C and SIGTERM on `bentoml serve` are the parent's to handle: during its graceful drain
     # (rampart.api.lifecycle) circus signals the API worker's children too, and decoding must go on.
     # The worker still ends with its parent: the pipe closes and ``recv`` raises EOFError.
@@ -83,19 +142,25 @@ def _serve(conn, nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, 0, nice)
         except OSError:
             pass
+    known: dict[str, object] = {}
     while True:
         try:
-            fn, args = conn.recv()
+            kind, message = _receive(conn, known)
         except (EOFError, OSError):  # the parent is gone
             return
+        if kind == _DEFINE:
+            key, value = message
+            known[key] = value
+            continue
+        fn, args = message
         try:
             reply = ("ok", fn(*args))
         except Exception as exc:
             reply = ("error", exc)
         try:
-            conn.send(reply)
+            _send(conn, _JOB, reply)
         except Exception as exc:  # an unpicklable result or exception
-            conn.send(("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
+            _send(conn, _JOB, ("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
 
 
 _START_LOCK = threading.Lock()
@@ -123,8 +188,10 @@ class _Process:
     replacement after ``close`` starts nothing.
     """
 
-    def __init__(self, context, nice: int, name: str) -> None:
+    def __init__(self, context, nice: int, name: str, shared: dict[int, tuple[str, object]]) -> None:
         self.context, self.nice, self.name = context, nice, name
+        self.shared = shared  # the pool's: id(obj) -> (key, obj)
+        self.defined: set[str] = set()  # keys this process has been sent
         self.start_ms = 0.0
         self.closed = False
         self._lock = threading.Lock()
@@ -134,6 +201,7 @@ class _Process:
     def _start(self) -> None:
         started = time.perf_counter()
         self.conn, child = self.context.Pipe()
+        self.defined = set()
         self.process = self.context.Process(target=_serve, args=(child, self.nice), name=self.name, daemon=True)
         with _START_LOCK:
             # A forkserver child re-imports the parent's __main__ (CPython multiprocessing.spawn.prepare):
@@ -148,9 +216,20 @@ class _Process:
         self.start_ms = (time.perf_counter() - started) * 1000.0
 
     def call(self, fn: Callable, args: tuple):
-        """Run ``fn(*args)`` in the process; raises what it raised, or ``EOFError``/``OSError`` if it died."""
-        self.conn.send((fn, args))
-        status, value = self.conn.recv()
+        """Run ``fn(*args)`` in the process; raises what it raised, or ``EOFError``/``OSError`` if it died.
+
+        Shared objects among ``args`` are sent first if this process has not had them yet."""
+        keys = {}
+        for arg in args:
+            entry = self.shared.get(id(arg))
+            if entry is not None:
+                key, value = entry
+                if key not in self.defined:
+                    _send(self.conn, _DEFINE, (key, value))
+                    self.defined.add(key)
+                keys[id(arg)] = key
+        _send(self.conn, _JOB, (fn, args), keys)
+        _, (status, value) = _receive(self.conn)
         if status == "error":
             raise value
         return value
@@ -215,6 +294,7 @@ class BoundedPool:
         self.nice = nice
         self.processes = processes
         self.replaced = 0
+        self._shared: dict[int, tuple[str, object]] = {}
         self._cond = threading.Condition()
         self._heap: list[tuple[int, int, int, Future, Callable, tuple, Callable[[], None]]] = []
         self._seq = itertools.count()
@@ -224,13 +304,24 @@ class BoundedPool:
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload([__name__, *preload])
             for index, slot in enumerate(self._slots):
-                slot.process = _Process(context, nice, f"{name}-{index}")
+                slot.process = _Process(context, nice, f"{name}-{index}", self._shared)
         self._threads = [
             threading.Thread(target=self._work, args=(slot,), name=f"{name}-{i}", daemon=True)
             for i, slot in enumerate(self._slots)
         ]
         for thread in self._threads:
             thread.start()
+
+    def share(self, obj: T) -> T:
+        """Send ``obj`` to each worker process once, not with every job that takes it; returns ``obj``.
+
+        A job argument that *is* ``obj`` (the same object) is then passed by a key; a
+        replaced worker is sent it again before its first such job. ``obj`` must not
+        change afterwards (the workers keep their copy). Threads need nothing: they
+        get the object itself.
+        """
+        self._shared[id(obj)] = (f"shared-{len(self._shared)}", obj)
+        return obj
 
     @property
     def pending(self) -> int:

@@ -10,12 +10,15 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from rampart import errors
 from rampart.config import Settings
 from rampart.overload.deadline import Deadline
-from rampart.inputs.decode_job import prepare
+from rampart.inputs.buckets import fit_to_bucket
+from rampart.inputs.decode_job import model_input, prepare
 from rampart.errors import Overloaded
 from rampart.pipeline import decode_pool
 from rampart.inputs.pool import BoundedPool, JobTimeout, WorkerDied
@@ -124,12 +127,46 @@ def test_an_interpreter_that_never_closes_its_pool_still_exits():
     assert (done.returncode, done.stdout.strip()) == (0, "up")
 
 
-def test_prepare_returns_both_models_inputs_and_a_warnings_tuple():
+def test_prepare_makes_only_the_primarys_input_and_the_fallbacks_when_asked():
     plan = classifier(Settings()).plan
     prepared = prepare(encode(photo("chelsea")), plan)
-    assert {role: (bucket.name, pixels.shape, pixels.dtype.name) for role, (bucket, pixels) in prepared.inputs.items()} \
-        == {"primary": ("landscape", (260, 346, 3), "uint8"), "fallback": ("landscape", (224, 298, 3), "uint8")}
+    shapes = lambda: {role: (bucket.name, pixels.shape, pixels.dtype.name)  # noqa: E731
+                      for role, (bucket, pixels) in prepared.inputs.items()}
+    assert shapes() == {"primary": ("landscape", (260, 346, 3), "uint8")}
     assert isinstance(prepared.warnings, tuple) and len(prepared.key) == 32 and prepared.declared_size == (451, 300)
+    made = model_input(prepared, "fallback", plan.buckets["fallback"])
+    assert shapes() == {"primary": ("landscape", (260, 346, 3), "uint8"), "fallback": ("landscape", (224, 298, 3), "uint8")}
+    assert model_input(prepared, "fallback", plan.buckets["fallback"]) is made  # made once
+    assert model_input(prepared, "primary", plan.buckets["primary"]) is prepared.inputs["primary"]
+
+
+def test_the_fallbacks_input_from_the_primarys_array_agrees_with_a_direct_fit():
+    """The fallback's input made from the primary's array sees what a direct fit of the photo sees."""
+    plan = classifier(Settings()).plan
+    for name in ("chelsea", "coffee", "astronaut"):
+        prepared = prepare(encode(photo(name)), plan)
+        bucket, derived = model_input(prepared, "fallback", plan.buckets["fallback"])
+        direct = fit_to_bucket(Image.fromarray(photo(name)), bucket, plan.crop_margin)
+        assert np.abs(derived.astype(float) - direct).mean() < 4.0, name  # of 255: resampling only
+
+
+def test_a_shared_plan_goes_to_each_worker_once_and_again_to_a_replacement():
+    pool = BoundedPool(workers=1, queue=4, processes=True, name="rampart-share")
+    try:
+        plan = pool.share(classifier(Settings()).plan)
+        body = encode(photo("chelsea"))
+        worker = pool._slots[0].process
+        first = asyncio.run(pool.run(prepare, body, plan))
+        assert worker.defined == {"shared-0"}
+        second = asyncio.run(pool.run(prepare, body, plan))
+        assert np.array_equal(first.inputs["primary"][1], second.inputs["primary"][1])
+        assert first.inputs["primary"][1].shape == (260, 346, 3)
+        worker.replace()  # a fresh process has no plan yet: it is sent again before its first job
+        assert worker.defined == set()
+        third = asyncio.run(pool.run(prepare, body, plan))
+        assert worker.defined == {"shared-0"} and third.key == first.key
+    finally:
+        pool.close()
 
 
 def _wait_for(condition, timeout_s: float = 5.0) -> None:
