@@ -21,8 +21,8 @@ variants = 24 images, for ``make test``.
 
 Every image goes through the service's own preprocessing, so the models see the
 pixels production sees: encoded bytes → ``rampart.inputs.decode_job.prepare`` with a
-``DecodePlan`` built as ``rampart.pipeline.Classifier`` builds it (decode limits
-from ``rampart.pipeline.decode_limits``, each model's buckets from its resolution,
+``DecodePlan`` built as ``rampart.pipeline.Classifier`` builds it (``rampart.pipeline.decode_plan``: decode limits
+from ``decode_limits``, each model's buckets from its resolution,
 ``crop_margin`` from the settings) → per-bucket uint8 N×H×W×3 batches stacked as
 ``runners.common.BucketedRunner.run_bucket`` stacks them → the runners' engines
 (``TorchClassifier`` for the primary, ``OnnxClassifier`` on the stored ``.onnx`` for
@@ -78,9 +78,9 @@ from rampart.results import CONFIDENCE_KINDS, confidences
 
 from rampart.inputs.buckets import Bucket, buckets_for_resolution
 from rampart.config import Settings, get_settings
-from rampart.inputs.decode_job import DecodePlan, prepare
+from rampart.inputs.decode_job import model_input, prepare
 from rampart.errors import ImageError
-from rampart.pipeline import decode_limits
+from rampart.pipeline import decode_plan
 
 __all__ = ["EvalImage", "LoadedModel", "CONFIDENCE_KINDS", "base_photos", "variants", "evaluation_set",
            "variant_names", "folder_set", "load_models", "predict", "threshold_curve", "choose_threshold",
@@ -314,9 +314,7 @@ def predict(images: list[EvalImage], models: dict[str, LoadedModel], settings: S
     Returns (per role a float32 K×C array of probabilities, the indices into
     ``images`` of the K accepted images, ``[{"name", "error"}]`` of the refused).
     """
-    buckets = [bucket for model in models.values() for bucket in model.buckets.values()]
-    plan = DecodePlan(decode_limits(settings, buckets), {role: model.buckets for role, model in models.items()},
-                      settings.crop_margin)
+    plan = decode_plan(settings, {role: model.buckets for role, model in models.items()})
     accepted, refused, inputs = [], [], defaultdict(list)
     for index, image in enumerate(images):
         try:
@@ -324,7 +322,8 @@ def predict(images: list[EvalImage], models: dict[str, LoadedModel], settings: S
         except ImageError as error:
             refused.append({"name": image.name, "error": f"{type(error).__name__}: {error}"})
             continue
-        for role, (bucket, pixels) in prepared.inputs.items():
+        for role, model in models.items():
+            bucket, pixels = model_input(prepared, role, model.buckets)
             inputs[role, bucket.name].append((len(accepted), pixels))
         accepted.append(index)
     probs = {}

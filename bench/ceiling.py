@@ -1,5 +1,5 @@
 """The serving ceiling with a near-free model: how many requests per second, and how much CPU per request,
-Rampart's serving itself costs when the model costs almost nothing (issue 13, item 5).
+Rampart's serving itself costs when the model costs almost nothing.
 
 A GPU host runs the model thousands of times a second; what bounds it then is the API
 layer and decoding. This scenario measures that bound on any host by serving a model
@@ -30,7 +30,11 @@ answered in it (µs). *Serving overhead* is everything except decoding and the m
 for Rampart ``api + runners + supervisor − model``, for the naive baseline
 ``api − its decode − model``, where ``model`` (the engine's CPU per image at batch 1,
 calls back to back) and the naive decode are measured in this process on the same bodies
-(``in_process_costs``); Rampart's decoding is what ``decode_pool`` measured. ONNX
+(``in_process_costs``); Rampart's decoding is what ``decode_pool`` measured. Beside it, each
+Rampart round reports ``decode_vs_naive`` and ``decode_vs_lean``: its decode pool's CPU per
+request over the naive server's whole decode and over the *lean reference* (``lean_decode``:
+Pillow's ``draft("RGB", bucket size)``, then one resize to the bucket: what the pixels the
+model needs cost at least), all measured in the same run. ONNX
 Runtime's threads spin-wait after each call (``model_at_100_per_s`` shows what that
 costs when calls are apart); ``model`` leaves that out, so it counts as overhead. The API
 process's own part of decoding (format sniffing, header checks, the pipe to the pool)
@@ -59,7 +63,7 @@ from bench.loadgen import closed_loop_round, run_sync
 from bench.process_cpu import ServerCpu
 
 __all__ = ["NEAR_FREE_NAME", "near_free_onnx", "phone_jpeg", "small_png", "start_import", "finish_import", "grouped",
-           "in_process_costs", "ceiling_scenario"]
+           "in_process_costs", "lean_pixels", "ceiling_scenario", "plot_ceiling"]
 
 ROOT = Path(__file__).resolve().parent.parent
 NEAR_FREE_NAME = "rampart-near-free"
@@ -74,7 +78,7 @@ SMALL_PNG_SIDE = 260
 #: saturated 2-core host holds a closed loop's requests for hundreds of ms, and at the 1 s default some
 #: would be answered by the fallback), since this scenario measures cost, not deadlines.
 DEADLINE_MS = 10_000.0
-#: The target the issue sets for serving overhead (everything but decoding and the model), µs of CPU per request.
+#: The target for serving overhead (everything but decoding and the model), µs of CPU per request.
 OVERHEAD_TARGET_US = 1000.0
 #: This scenario's groups of ``bench.process_cpu`` roles (module doc); a role not named keeps its name.
 ROLES = ("api", "decode_pool", "runners", "supervisor")
@@ -211,10 +215,21 @@ def _paced_cpu_us(function, rate: float, calls: int) -> float:
     return (time.process_time() - start) / calls * 1e6
 
 
+def lean_pixels(data: bytes, bucket) -> np.ndarray:
+    """The lean reference decode: ``draft("RGB", (bucket.width, bucket.height))``, then one bicubic resize to
+    the bucket (Pillow, no crop, no checks); uint8 bucket.height×bucket.width×3."""
+    from PIL import Image
+
+    image = Image.open(io.BytesIO(data))
+    image.draft("RGB", (bucket.width, bucket.height))
+    return np.asarray(image.convert("RGB").resize((bucket.width, bucket.height), Image.Resampling.BICUBIC))
+
+
 def in_process_costs(onnx_path: Path, bodies: dict[str, bytes], repeats: int) -> dict[str, dict]:
     """Per body, the CPU µs in this process of: ``rampart_decode`` (``rampart.inputs.decode_job.prepare``
     with the service's default ``DecodePlan`` for two 260 px models, as the decode pool runs it),
     ``naive_decode`` (``bench.baselines.common.naive_pixels``: full decode, RGB, squash to 260×260),
+    ``lean_decode`` (``lean_pixels`` for the body's bucket),
     ``model`` (the near-free engine, ``inference.engines.OnnxClassifier``, on the primary's
     prepared 1×H×W×3 batch, calls back to back; normalisation included) and
     ``model_at_100_per_s`` (the same call paced at 100 calls/s: ONNX Runtime's intra-op threads
@@ -224,13 +239,12 @@ def in_process_costs(onnx_path: Path, bodies: dict[str, bytes], repeats: int) ->
     from models.import_models import LITE_MEAN, LITE_STD
     from rampart.config import Settings
     from rampart.inputs.buckets import buckets_for_resolution
-    from rampart.inputs.decode_job import DecodePlan, prepare
-    from rampart.pipeline import decode_limits
+    from rampart.inputs.decode_job import prepare
+    from rampart.pipeline import decode_plan
 
     settings = Settings()
     buckets = buckets_for_resolution(NEAR_FREE_RESOLUTION)
-    plan = DecodePlan(decode_limits(settings, list(buckets.values())), {"primary": buckets, "fallback": buckets},
-                      settings.crop_margin)
+    plan = decode_plan(settings, {"primary": buckets, "fallback": buckets})
     engine = OnnxClassifier(str(onnx_path), LITE_MEAN, LITE_STD)
     out = {}
     for name, body in bodies.items():
@@ -238,6 +252,7 @@ def in_process_costs(onnx_path: Path, bodies: dict[str, bytes], repeats: int) ->
         out[name] = {
             "rampart_decode": round(_cpu_us(lambda: prepare(body, plan), repeats), 1),
             "naive_decode": round(_cpu_us(lambda: naive_pixels(body, NEAR_FREE_RESOLUTION), repeats), 1),
+            "lean_decode": round(_cpu_us(lambda: lean_pixels(body, bucket), repeats), 1),
             "model": round(_cpu_us(lambda: engine.predict(pixels[None]), repeats), 1),
             "model_at_100_per_s": round(_paced_cpu_us(lambda: engine.predict(pixels[None]), 100.0, 2 * repeats), 1),
             "bucket": bucket.name,
@@ -281,8 +296,14 @@ def with_breakdown(run: dict, costs: dict, naive: bool) -> dict:
     else:
         decode = cpu["decode_pool"]
         overhead = cpu["api"] + cpu["runners"] + cpu["supervisor"] - model
-    return {**run, "decode_us": round(decode, 1), "model_us": model, "serving_overhead_us": round(overhead, 1),
-            "overhead_within_1ms": overhead < OVERHEAD_TARGET_US}
+    decode_ratios = {} if naive else {"decode_vs_naive": _share(decode, costs["naive_decode"]),
+                                      "decode_vs_lean": _share(decode, costs["lean_decode"])}
+    return {**run, "decode_us": round(decode, 1), **decode_ratios, "model_us": model,
+            "serving_overhead_us": round(overhead, 1), "overhead_within_1ms": overhead < OVERHEAD_TARGET_US}
+
+
+def _share(part: float, whole: float) -> float | None:
+    return round(part / whole, 3) if whole > 0 else None
 
 
 def ceiling_scenario(out: Path, quick: bool, deadline_ms: float = DEADLINE_MS) -> dict:
@@ -352,3 +373,37 @@ def ceiling_scenario(out: Path, quick: bool, deadline_ms: float = DEADLINE_MS) -
         "overhead_target_us": OVERHEAD_TARGET_US,
     }
 
+
+
+def plot_ceiling(report: dict, path: Path) -> None:
+    """Bars per body: decode CPU per request of each Rampart server's decode pool, the naive server's whole
+    decode and the lean reference (all from ``report``, one ``ceiling_scenario`` run), and serving overhead."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bodies = list(report["bodies"])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    series = {f"{label} decode pool": [report["runs"][label][body]["decode_us"] for body in bodies]
+              for label in report["runs"] if label != "naive"}
+    series["naive decode"] = [report["in_process_us"][body]["naive_decode"] for body in bodies]
+    series["lean reference"] = [report["in_process_us"][body]["lean_decode"] for body in bodies]
+    width = 0.8 / len(series)
+    for index, (name, values) in enumerate(series.items()):
+        axes[0].bar([b + index * width for b in range(len(bodies))], [v / 1000 for v in values], width, label=name)
+    axes[0].set(xticks=[b + 0.4 - width / 2 for b in range(len(bodies))], xticklabels=bodies,
+                ylabel="CPU ms per request", title="Decode")
+    axes[0].legend(fontsize=8)
+    labels = list(report["runs"])
+    for index, body in enumerate(bodies):
+        axes[1].bar([x + index * 0.4 for x in range(len(labels))],
+                    [report["runs"][label][body]["serving_overhead_us"] / 1000 for label in labels], 0.4, label=body)
+    axes[1].axhline(report["overhead_target_us"] / 1000, color="grey", linestyle="--", label="1 ms target")
+    axes[1].set(xticks=[x + 0.2 for x in range(len(labels))], xticklabels=labels, ylabel="CPU ms per request",
+                title="Serving overhead (all but decode and model)")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"Near-free-model ceiling, {report.get('machine', {}).get('cpus', '?')} CPUs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

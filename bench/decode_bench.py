@@ -8,8 +8,9 @@ from scikit-image's ``rocket`` photo) it reports, for each path:
 - ``peak_rss_mb``: peak resident memory of a fresh process doing only that.
 
 The naive path is ``Image.open(...).convert("RGB")`` at full size, then the same
-resize; Rampart's is ``rampart.inputs.decoding.decode_image`` (draft for JPEG) then
-``fit_to_bucket``. Each path runs in its own subprocess so peak RSS is its own.
+resize; Rampart's is the decode worker's ``rampart.inputs.decode_job.prepare`` with the
+service's plan (``rampart.pipeline.decode_plan``: the DCT scale or box reduce the bucket
+allows, then one resize). Each path runs in its own subprocess so peak RSS is its own.
 
 Under ``"workers"`` it compares the decode pool's two modes (``rampart.inputs.pool``,
 one worker per CPU core, the service's own ``rampart.inputs.decode_job.prepare``), per
@@ -56,17 +57,15 @@ def decode_once(path_name: str, data: bytes):
 
     from rampart.inputs.buckets import buckets_for_resolution, fit_to_bucket
     from rampart.config import Settings
-    from rampart.pipeline import decode_limits
+    from rampart.inputs.decode_job import prepare
+    from rampart.pipeline import decode_plan
 
     buckets = buckets_for_resolution(260)
-    bucket = buckets["landscape"]
     if path_name == "naive":
         image = Image.open(io.BytesIO(data)).convert("RGB")
-        return fit_to_bucket(image, bucket, 1.14)
-    from rampart.inputs.decoding import decode_image
-
-    limits = decode_limits(Settings(), [*buckets.values(), *buckets_for_resolution(224).values()])
-    return fit_to_bucket(decode_image(data, limits).image, bucket, 1.14)
+        return fit_to_bucket(image, buckets["landscape"], 1.14)
+    plan = decode_plan(Settings(), {"primary": buckets, "fallback": buckets_for_resolution(224)})
+    return prepare(data, plan).inputs["primary"][1]
 
 
 def worker(path_name: str, image_path: Path, repeats: int) -> dict:
@@ -133,15 +132,14 @@ def workers_throughput(mode: str, repeats: int) -> dict:
     from bench.bombs import CHUNK_FORMATS, MULTI_FRAME_FORMATS, many_chunks, many_frames, progressive_jpeg
     from rampart.inputs.buckets import buckets_for_resolution
     from rampart.config import Settings
-    from rampart.inputs.decode_job import DecodePlan, prepare
-    from rampart.pipeline import decode_limits
+    from rampart.inputs.decode_job import prepare
+    from rampart.pipeline import decode_plan
     from rampart.inputs.pool import BoundedPool, JobTimeout
 
     settings = Settings()
     buckets = {"primary": buckets_for_resolution(260), "fallback": buckets_for_resolution(224)}
-    limits = decode_limits(settings, [b for role in buckets.values() for b in role.values()])
-    plan = DecodePlan(limits, buckets, settings.crop_margin)
-    lifted = dataclasses.replace(plan, limits=dataclasses.replace(limits, max_jpeg_scans=10**9))
+    plan = decode_plan(settings, buckets)
+    lifted = dataclasses.replace(plan, limits=dataclasses.replace(plan.limits, max_jpeg_scans=10**9))
     photos = sample_photos() * max(repeats, 2) * 8
     bombs = [progressive_jpeg(7000, 8000), *(many_frames(fmt, 101) for fmt in MULTI_FRAME_FORMATS),
              *(many_chunks(fmt, 200_000) for fmt in CHUNK_FORMATS)] * max(repeats, 1)

@@ -78,7 +78,7 @@ import httpx
 import numpy as np
 
 from bench.baselines import triton_pytriton
-from bench.ceiling import ceiling_scenario
+from bench.ceiling import ceiling_scenario, plot_ceiling
 from bench.loadgen import closed_loop, load_bodies, oip_request, open_loop, run_sync, summarize, sweep
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,13 +93,18 @@ def private_bentoml_home(directory: Path, store: Path | None = None) -> dict[str
 
     BentoML keeps its Prometheus multiprocess files in ``$BENTOML_HOME/prometheus_multiproc_dir``
     and empties it whenever a server starts, so two servers under one home erase each
-    other's metrics. ``directory/models`` links to ``store`` (default: the real store).
+    other's metrics. ``directory/models`` links to ``store`` (default: the real store), by its absolute
+    path; a link left there to another store is replaced.
     """
     real_home = Path(os.environ.get("BENTOML_HOME", Path.home() / "bentoml"))
+    directory = directory.resolve()
     directory.mkdir(parents=True, exist_ok=True)
     models = directory / "models"
-    if not models.exists():
-        models.symlink_to(store or real_home / "models", target_is_directory=True)
+    target = (store or real_home / "models").resolve()  # a relative target would resolve from the link's folder
+    if models.is_symlink() and models.resolve() != target:
+        models.unlink()
+    if not models.is_symlink():
+        models.symlink_to(target, target_is_directory=True)
     return {"BENTOML_HOME": str(directory)}
 
 
@@ -142,10 +147,11 @@ class Service:
         self.oip = name == "triton"  # an Open Inference Protocol /infer URL (bench.loadgen.oip_request)
         label = label or name
         self.log = open(log_dir / f"{label}.log", "wb")
+        env = env or {}
+        home = {} if "BENTOML_HOME" in env else private_bentoml_home(log_dir / f"{label}-home")
         self.process = subprocess.Popen(self.COMMANDS[name](self.port), cwd=ROOT, stdout=self.log,
                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                        env={**os.environ, **private_bentoml_home(log_dir / f"{label}-home"),
-                                             **(env or {})})
+                                        env={**os.environ, **home, **env})
 
     def wait_ready(self, bodies: list[bytes], timeout_s: float = 300) -> None:
         """Ready when BentoML's ``/readyz`` says so (runners warmed up), then one real request is answered 200."""
@@ -418,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
         report = {"machine": machine(), "command": "python -m bench.load_bench --ceiling-only"
                   + (" --quick" if args.quick else ""), **ceiling_scenario(args.out, args.quick)}
         (args.out / "ceiling.json").write_text(json.dumps(report, indent=2))
+        plot_ceiling(report, args.out / "ceiling.png")
         print(json.dumps(report["runs"], indent=2))
         return 0
     if args.quick:
@@ -469,6 +476,7 @@ def main(argv: list[str] | None = None) -> int:
     results["cascade"] = cascade_scenario(args.out, named, clients, step_s, {"primary-first": primary_first_arm})
     print("cascade", json.dumps({k: v for k, v in results["cascade"].items() if k != "arms"}), flush=True)
     results["near_free_ceiling"] = ceiling_scenario(args.out, args.quick)
+    plot_ceiling({**results["near_free_ceiling"], "machine": results.get("machine", {})}, args.out / "ceiling.png")
     results["ratios"] = {}
     ours = results["rampart"]
     for name in ("naive", "plain_bentoml", *PEERS):

@@ -79,7 +79,8 @@ from rampart.results import MAX_TOP_K, confidences, label_entries, top_classes
 from rampart.shadow import AnsweredBody
 
 #: ``RunnerAnswer`` and ``ModelEndpoint`` live in ``rampart.lane``; they are importable from here too.
-__all__ = ["RunnerAnswer", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "decode_pool", "ROUTES"]
+__all__ = ["RunnerAnswer", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "decode_plan", "decode_pool",
+           "ROUTES"]
 
 logger = logging.getLogger("rampart.pipeline")
 
@@ -110,6 +111,14 @@ def decode_limits(settings: Settings, buckets: list[Bucket]) -> DecodeLimits:
         max_jpeg_scans=settings.max_jpeg_scans,
         max_chunks=settings.max_chunks,
     )
+
+
+def decode_plan(settings: Settings, buckets: dict[str, dict[str, Bucket]]) -> DecodePlan:
+    """The ``DecodePlan`` the service decodes with, for models whose buckets by role are ``buckets``:
+    ``decode_limits`` over all of them, ``crop_margin``, ``decode_oversample`` and the decode-hang fault."""
+    every = [bucket for role in buckets.values() for bucket in role.values()]
+    return DecodePlan(decode_limits(settings, every), buckets, settings.crop_margin, settings.fault_decode_hang,
+                      settings.fault_file, settings.decode_oversample)
 
 
 def decode_pool(settings: Settings) -> BoundedPool:
@@ -168,10 +177,8 @@ class Classifier:
         if self.cascade:
             metrics.init_cascade_series()
         self.cache = ResultCache(settings.cache_size)
-        self.limits = decode_limits(settings, [*primary.buckets.values(), *fallback.buckets.values()])
-        self.plan = pool.share(DecodePlan(self.limits, {"primary": primary.buckets, "fallback": fallback.buckets},
-                                          settings.crop_margin, settings.fault_decode_hang, settings.fault_file,
-                                          settings.decode_oversample))
+        self.plan = pool.share(decode_plan(settings, {"primary": primary.buckets, "fallback": fallback.buckets}))
+        self.limits = self.plan.limits
 
     def retry_after_s(self) -> float:
         """``Retry-After`` for a 429: when the first of the two models will have drained its queue.

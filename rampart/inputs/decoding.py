@@ -80,8 +80,9 @@ warnings.filterwarnings("ignore", category=UserWarning, module=r"PIL(\.|$)")
 #: factor (≥ 1, a float) by which the decoded frame may be shrunk on both axes.
 ShrinkRule = Callable[[int, int], float]
 #: Pixels per strip when a frame that is not RGB is converted and shrunk strip by strip (``shrink_to_rgb``):
-#: 2^20 px is 4 MiB as RGB, and few enough strips that the per-strip cost stays small.
-STRIP_PIXELS = 1 << 20
+#: 2^19 px is 2 MiB as RGB (a few such temporaries per strip), and few enough strips (12 for 6 MP)
+#: that the per-strip cost stays small.
+STRIP_PIXELS = 1 << 19
 #: EXIF orientations (tag 0x0112) that swap width and height.
 _SWAPPING_ORIENTATIONS = frozenset({5, 6, 7, 8})
 #: ``info`` keys that ``Image.getexif`` reads an orientation from (a TIFF's own tags, ``tag_v2``, are its EXIF).
@@ -418,8 +419,11 @@ def _float_to_rgb(scale: float) -> Callable[[Image.Image], Image.Image]:
 
 
 def _integer_to_rgb(image: Image.Image) -> Image.Image:
-    gray = (np.clip(np.asarray(image).astype(np.int64), 0, 65535) >> 8).astype(np.uint8)
-    return Image.fromarray(gray, mode="L").convert("RGB")
+    """16- or 32-bit integer grey to RGB: 0..65535 shifted to 0..255, in the frame's own dtype (no int64 copy)."""
+    values = np.asarray(image)
+    if values.dtype.kind != "u":  # "I" is int32: negative and > 65535 values are clipped first
+        values = np.clip(values, 0, 65535)
+    return Image.fromarray((values >> 8).astype(np.uint8), mode="L").convert("RGB")
 
 
 #: The largest PNG text or ICC chunk a decode worker inflates (``relax_metadata_limits``), bytes.

@@ -68,3 +68,11 @@ def test_load_bench_quick_runs_end_to_end_with_both_baselines(tmp_path):
     assert processes["api"] == 2 and processes["runners"] == 2 and processes["decode_pool"] >= 4, processes
     assert ceiling["runs"]["rampart_2_workers"]["png_260"]["cpu_us_per_request"]["decode_pool"] > 0
     assert set(ceiling["ratios"]["rampart_2_workers"]) == {"phone_jpeg", "png_260"}
+    # Decode beside the naive server's whole decode and the lean reference, measured in the same run.
+    for body in ("phone_jpeg", "png_260"):
+        run = ceiling["runs"]["rampart_2_workers"][body]
+        assert run["decode_vs_naive"] > 0 and run["decode_vs_lean"] > 0, run
+        assert ceiling["in_process_us"][body]["lean_decode"] > 0
+    costs = ceiling["in_process_us"]["phone_jpeg"]  # the phone photo is decoded at the bucket's scale, not the file's
+    assert costs["rampart_decode"] < 0.6 * costs["naive_decode"], costs
+    assert (tmp_path / "ceiling.png").stat().st_size > 0
