@@ -93,6 +93,7 @@ __all__ = [
     "MODEL",
     "ROUTE",
     "NEEDS_REVIEW",
+    "TOP_K_OUTPUTS",
     "OUTPUT_DATATYPES",
     "MAX_JSON_VALUES",
     "Limits",

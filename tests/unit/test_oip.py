@@ -22,9 +22,11 @@ import tritonclient.http as triton
 from PIL import Image
 
 from starlette.requests import Request
+from starlette.testclient import TestClient
 
 from bench.perf_analyzer import make_inputs
 from rampart.api import http, oip
+from rampart.api.app import refuse_before_admission
 from rampart.config import Settings
 from rampart.errors import EmptyBody, InvalidParameter, PayloadTooLarge, RampartError
 from tests.support import encode, photo
@@ -467,3 +469,11 @@ def test_the_shipped_perf_analyzer_inputs_are_what_make_inputs_builds_and_parse(
     (step,) = make_inputs.image_inputs()["data"]
     (jpeg,) = oip.deserialize_bytes(base64.b64decode(step[oip.IMAGE]["b64"]))
     assert Image.open(io.BytesIO(jpeg)).format == "JPEG"
+
+
+def test_a_request_over_the_in_flight_bound_is_refused_in_the_protocol_s_form_under_v2(rig):
+    refuse = TestClient(refuse_before_admission(rig.client.app.app))  # what rampart.api.arrival answers with
+    response = refuse.post("/v2/models/rampart/infer", content=b"{}")
+    assert response.status_code == 429 and response.json()["error"].startswith("overloaded: ")
+    assert int(response.headers["retry-after"]) >= 1
+    assert refuse.post("/classify", content=b"").json()["error"]["code"] == "overloaded"
