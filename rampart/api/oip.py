@@ -230,16 +230,12 @@ class Limits:
     max_images: int
     max_image_bytes: int
     max_pixels: int
-    max_json_values: int = 0  # 0: MAX_JSON_VALUES
+    max_json_values: int = MAX_JSON_VALUES
 
     @classmethod
     def of(cls, settings: Settings) -> "Limits":
         """The limits ``settings`` give."""
         return cls(settings.max_batch_images, settings.max_body_bytes, settings.max_pixels)
-
-    @property
-    def json_values(self) -> int:
-        return self.max_json_values or MAX_JSON_VALUES
 
 
 def _json_values_bound(header_bytes: bytes) -> int:
@@ -362,9 +358,9 @@ def _pixel_images(tensor: dict, blob: memoryview | None, limits: Limits) -> list
             raise InvalidParameter(f"input {PIXELS!r} of shape {shape} needs {count} bytes, got {len(blob)}")
         pixels = np.frombuffer(blob, dtype=np.uint8)
     else:
-        if count > limits.json_values:
+        if count > limits.max_json_values:
             raise PayloadTooLarge(f"input {PIXELS!r} of shape {shape} holds {count} values; JSON data may hold "
-                                  f"{limits.json_values}: send larger tensors in the binary tensor data extension")
+                                  f"{limits.max_json_values}: send larger tensors in the binary tensor data extension")
         values = _leaves(tensor.get("data"), len(shape), count, PIXELS)
         if not all(type(v) is int for v in values):
             raise InvalidParameter(f"input {PIXELS!r}: 'data' must be integers in 0..255")
@@ -398,14 +394,14 @@ def parse_infer_request(body: bytes, header_length: str | None, limits: Limits) 
     request with exactly one of ``IMAGE`` / ``PIXELS`` (including NaN/Infinity and
     numbers out of any field's range), or more images than ``limits.max_images``;
     ``EmptyBody`` (400) for zero images; ``PayloadTooLarge`` (413) for an image over
-    ``limits.max_image_bytes`` or a JSON part of more than ``limits.json_values`` values
+    ``limits.max_image_bytes`` or a JSON part of more than ``limits.max_json_values`` values
     (checked by counting commas, before the JSON is parsed); ``ImageTooLarge`` (413) for
     ``PIXELS`` images over ``limits.max_pixels``. Counts and declared sizes are checked
     before any tensor is split or converted.
     """
     header_bytes, binary = _header_split(body, header_length)
-    if _json_values_bound(header_bytes) > limits.json_values:
-        raise PayloadTooLarge(f"the JSON part of the request holds over {limits.json_values} values: send tensors "
+    if _json_values_bound(header_bytes) > limits.max_json_values:
+        raise PayloadTooLarge(f"the JSON part of the request holds over {limits.max_json_values} values: send tensors "
                               "this large in the binary tensor data extension")
     try:
         header = json.loads(header_bytes, parse_constant=_refuse_constant)
