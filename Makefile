@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PORT ?= 3000
 
-.PHONY: setup setup-dev setup-peers models serve test test-unit bench bench-peers build clean nginx serve-cluster stop-cluster
+.PHONY: setup setup-dev setup-peers models serve test test-unit bench bench-peers build clean nginx serve-cluster stop-cluster perf-analyzer
 
 # Serving (requirements.txt) and model import (requirements-models.txt). Each stamp is
 # touched after its install, so a second run installs nothing until a requirements file changes.
@@ -41,6 +41,32 @@ nginx:
 	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || \
 		{ $(SUDO) apt-get update && $(SUDO) apt-get install -y nginx-light; }
 
+# perf_analyzer, Triton's load tool, for the /v2 endpoint (docs/oip.md), in its own folder $(PERF_ANALYZER_DIR):
+# the binary bundled in the tritonclient 2.41.1 wheel (later wheels need glibc 2.38; Debian 12 has 2.36; the
+# perf-analyzer package on PyPI is a placeholder), Debian's libb64-0d, and the CUDA 12 runtime from its wheel,
+# put on the library path by the wrapper $(PERF_ANALYZER) (bench/perf_analyzer/perf_analyzer.sh).
+PERF_ANALYZER_DIR ?= .perf-analyzer
+PERF_ANALYZER := $(PERF_ANALYZER_DIR)/perf_analyzer
+PERF_ANALYZER_WHEEL := tritonclient==2.41.1
+CUDA_RUNTIME_WHEEL := nvidia-cuda-runtime-cu12==12.9.79
+
+perf-analyzer: $(PERF_ANALYZER_DIR)/.installed
+
+$(PERF_ANALYZER_DIR)/.installed: bench/perf_analyzer/perf_analyzer.sh
+	@dpkg -s libb64-0d >/dev/null 2>&1 || { $(SUDO) apt-get update && $(SUDO) apt-get install -y libb64-0d; }
+	rm -rf $(PERF_ANALYZER_DIR) && mkdir -p $(PERF_ANALYZER_DIR)/bin $(PERF_ANALYZER_DIR)/wheel
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --platform manylinux1_x86_64 \
+		-d $(PERF_ANALYZER_DIR)/wheel $(PERF_ANALYZER_WHEEL)
+	$(PYTHON) -c "import glob, shutil, zipfile; w = zipfile.ZipFile(glob.glob('$(PERF_ANALYZER_DIR)/wheel/*.whl')[0]); \
+		src = next(n for n in w.namelist() if n.endswith('/data/bin/perf_analyzer')); \
+		shutil.copyfileobj(w.open(src), open('$(PERF_ANALYZER_DIR)/bin/perf_analyzer', 'wb'))"
+	chmod +x $(PERF_ANALYZER_DIR)/bin/perf_analyzer
+	$(PYTHON) -m pip install -q --no-deps --target $(PERF_ANALYZER_DIR)/cuda $(CUDA_RUNTIME_WHEEL)
+	rm -rf $(PERF_ANALYZER_DIR)/wheel
+	cp bench/perf_analyzer/perf_analyzer.sh $(PERF_ANALYZER)
+	$(PERF_ANALYZER) --version
+	touch $@
+
 serve-cluster: models nginx
 	$(PY) -m deploy.cluster start --replicas $(REPLICAS) --port $(CLUSTER_PORT)
 
@@ -52,7 +78,7 @@ stop-cluster:
 TEST_TIMEOUT_S ?= 600
 SUITE_TIMEOUT ?= 45m
 
-test: models nginx setup-dev
+test: models nginx perf-analyzer setup-dev
 	timeout -k 30 $(SUITE_TIMEOUT) $(PY) -m pytest -q tests --durations=25 --timeout=$(TEST_TIMEOUT_S)
 
 # The in-process unit tests only: no model store, no server (under a minute).
@@ -95,4 +121,4 @@ build: models
 	$(VENV)/bin/bentoml build --version $(BENTO_VERSION)
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS_VENV) $(PERF_ANALYZER_DIR) .pytest_cache .hypothesis

@@ -48,7 +48,8 @@ import aiohttp
 import httpx
 import numpy as np
 
-from rampart.api.oip import CLASS_INDICES, HEADER_LENGTH, IMAGE, LABELS, OUTPUT_DATATYPES, SCORES, serialize_bytes
+from rampart.api.oip import (CLASS_INDICES, DEGRADED_REASON, HEADER_LENGTH, IMAGE, LABELS, MODEL, SCORES,
+                             TOP_K_OUTPUTS, serialize_bytes)
 
 __all__ = ["Sample", "Round", "load_bodies", "unique", "oip_request", "oip_answer", "closed_loop", "closed_loop_round",
            "sweep", "open_loop", "burst", "summarize", "as_dicts", "run_sync", "no_gc_pauses"]
@@ -165,7 +166,7 @@ def oip_request(image: bytes) -> tuple[bytes, dict[str, str]]:
     The JSON header asks for input ``IMAGE``, BYTES, shape ``[1, 1]``, its data in the
     binary tensor data extension (Triton's framing, ``rampart.api.oip.serialize_bytes``:
     a 4-byte little-endian length, then the image's bytes, unencoded), and for the outputs
-    ``LABELS``, ``SCORES`` and ``CLASS_INDICES`` as JSON. Headers: ``Inference-Header-Content-Length``
+    ``LABELS``, ``SCORES`` and ``CLASS_INDICES`` as JSON (the outputs a Triton classifier has too). Headers: ``Inference-Header-Content-Length``
     (the JSON header's length), ``Content-Type: application/octet-stream``, and
     ``Accept-Encoding: identity``, since Triton would gzip its answer for aiohttp's default
     ``gzip, deflate``, work no other service under test does.
@@ -174,7 +175,7 @@ def oip_request(image: bytes) -> tuple[bytes, dict[str, str]]:
     header = json.dumps({
         "inputs": [{"name": IMAGE, "datatype": "BYTES", "shape": [1, 1],
                     "parameters": {"binary_data_size": len(tensor)}}],
-        "outputs": [{"name": name, "parameters": {"binary_data": False}} for name in OUTPUT_DATATYPES],
+        "outputs": [{"name": name, "parameters": {"binary_data": False}} for name in TOP_K_OUTPUTS],
     }, separators=(",", ":")).encode()
     return header + tensor, {HEADER_LENGTH: str(len(header)), "Content-Type": "application/octet-stream",
                              "Accept-Encoding": "identity"}
@@ -185,20 +186,20 @@ def oip_answer(payload: dict) -> dict:
     for one image with JSON outputs ``LABELS``, ``SCORES`` and ``CLASS_INDICES`` (shape ``[1, k]``).
 
     ``labels``: ``[{"index": int, "label": str, "score": float}, ...]`` in the answer's order,
-    without padding entries (index -1); ``model``: ``{"name": ...}`` from the response
-    parameter ``models`` (Rampart's ``/v2``) or else ``model_name`` (Triton), None when
-    that is empty or no label came back; ``degraded_reason``: the response parameter of
-    that name, None when absent or empty. Raises ``KeyError`` or ``ValueError`` for an
+    without padding entries (index -1); ``model``: ``{"name": ...}`` from the output
+    ``MODEL`` (Rampart's ``/v2``, when asked for) or else ``model_name`` (Triton), None when
+    that is empty or no label came back; ``degraded_reason``: the output ``DEGRADED_REASON``,
+    None when absent or empty. Raises ``KeyError`` or ``ValueError`` for an
     answer without those outputs.
     """
     data = {output["name"]: output["data"] for output in payload["outputs"]}
     labels = [{"index": int(index), "label": label, "score": float(score)}
               for index, label, score in zip(data[CLASS_INDICES], data[LABELS], data[SCORES], strict=True)
               if index >= 0]
-    parameters = payload.get("parameters") or {}
-    model = parameters.get("models", payload.get("model_name"))
+    model = data[MODEL][0] if MODEL in data else payload.get("model_name")
+    reason = data[DEGRADED_REASON][0] if DEGRADED_REASON in data else None
     return {"labels": labels, "model": {"name": model} if model and labels else None,
-            "degraded_reason": parameters.get("degraded_reason") or None}
+            "degraded_reason": reason or None}
 
 
 async def _send(client: aiohttp.ClientSession, url: str, body: bytes, deadline_ms: float, high: bool,

@@ -329,7 +329,10 @@ def refuse_before_admission(app: Starlette) -> ASGIApp:
         error = Overloaded("too many requests in flight; retry later", state.classifier.retry_after_s())
         if state.shadow is not None:
             state.shadow.note_overload()  # mirrors pause while real traffic is shed
-        response = failed(request, http.request_id_of(request), False, time.perf_counter(), error)
+        request_id = http.request_id_of(request)
+        response = failed(request, request_id, False, time.perf_counter(), error)
+        if oip.is_oip_path(scope["path"]):  # the protocol's error form under /v2
+            response = oip.error_response(error, request_id)
         await response(scope, receive, send)
 
     return refuse

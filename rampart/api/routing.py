@@ -14,7 +14,8 @@ mounted app never runs, and BentoML's static-file mount answers its own plain-te
   from a fixed set (``rampart.api.bentoml_fixes.bound_endpoint_labels``).
 - ``JSONRouteErrors``, an ASGI middleware (added with ``add_asgi_middleware``),
   turns every 404 or 405 that is not already JSON into Rampart's JSON error
-  shape: 404 ``not_found``, 405 ``method_not_allowed`` (keeping ``Allow``).
+  shape: 404 ``not_found``, 405 ``method_not_allowed`` (keeping ``Allow``); under ``/v2`` in the
+  Open Inference Protocol's form instead (``rampart.api.oip.error_response``: ``{"error": "<string>"}``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from starlette.routing import BaseRoute, Match, Mount
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rampart.errors import MethodNotAllowed, NotFound, RampartError
+from rampart.api import oip
 from rampart.api.http import error_response, request_id_of
 
 __all__ = ["OTHER_ENDPOINT", "route_template", "endpoint_label", "JSONRouteErrors"]
@@ -79,7 +81,8 @@ class JSONRouteErrors:
 
     The replaced response keeps its status and ``Allow`` header; its plain-text
     body is dropped. JSON 404/405s (Rampart's own, BentoML's task endpoints) pass
-    unchanged. ``answered`` (optional) is called for each replaced response, to
+    unchanged. Under ``/v2`` the body is the protocol's ``{"error": "<code>: <message>"}``.
+    ``answered`` (optional) is called for each replaced response, to
     count and log it.
     """
 
@@ -102,7 +105,8 @@ class JSONRouteErrors:
                 await send(message)
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 request, request_id, error = replaced[0]
-                await error_response(error, request_id)(scope, receive, send)
+                answer = oip.error_response if oip.is_oip_path(scope["path"]) else error_response
+                await answer(error, request_id)(scope, receive, send)
                 if self.answered is not None:
                     self.answered(request, request_id, started, error)
 

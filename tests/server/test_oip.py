@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
 
 import bentoml
 import numpy as np
@@ -13,8 +14,8 @@ from tritonclient.utils import InferenceServerException
 
 from rampart.api import oip
 from rampart.errors import ERROR_CLASSES
-from tests.support import PHOTOS, encode, photo
-from tests.unit.test_oip import DEADLINE_MS, OUTPUTS, image_input, texts
+from tests.support import PHOTOS, ROOT, encode, photo
+from tests.unit.test_oip import DEADLINE_MS, HOSTILE, image_input, texts
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +30,12 @@ def test_health_metadata_and_config(client):
     assert "binary_tensor_data" in client.get_server_metadata()["extensions"]
     metadata = client.get_model_metadata(oip.MODEL_NAME)
     assert {t["name"]: (t["datatype"], t["shape"]) for t in metadata["inputs"]} == {
-        oip.IMAGE: ("BYTES", [-1]), oip.PIXELS: ("UINT8", [-1, -1, -1, 3])}
-    assert {t["name"]: t["datatype"] for t in metadata["outputs"]} == {
-        oip.LABELS: "BYTES", oip.SCORES: "FP32", oip.CLASS_INDICES: "INT64"}
+        oip.IMAGE: ("BYTES", [-1, 1]), oip.PIXELS: ("UINT8", [-1, -1, -1, 3])}
+    assert {t["name"]: t["datatype"] for t in metadata["outputs"]} == oip.OUTPUT_DATATYPES
     config = client.get_model_config(oip.MODEL_NAME, model_version=metadata["versions"][0])
     assert config["max_batch_size"] == 16 and config["dynamic_batching"]["priority_levels"] == 2
+    assert {t["name"]: t["dims"] for t in config["input"]} == {oip.IMAGE: [1], oip.PIXELS: [-1, -1, 3]}
+    assert config["parameters"]["primary_model"]["string_value"].startswith("rampart-primary:")
     with pytest.raises(InferenceServerException) as unknown:
         client.get_model_metadata("rampart-typo")
     assert unknown.value.status() == "404"
@@ -44,14 +46,17 @@ def test_infer_gives_the_labels_of_classify(client, http, binary):
     names = sorted(PHOTOS)
     images = [encode(photo(name)) for name in names]
     expected_answers = [classify(http, image, top_k=3) for image in images]
-    outputs = [triton.InferRequestedOutput(name, binary_data=binary) for name in OUTPUTS]
+    outputs = [triton.InferRequestedOutput(name, binary_data=binary) for name in oip.OUTPUT_DATATYPES]
     result = client.infer(oip.MODEL_NAME, [image_input(images, binary)], outputs=outputs,
                           parameters={"top_k": 3, "deadline_ms": DEADLINE_MS})
     parameters = result.get_response()["parameters"]
+    assert texts(result.as_numpy(oip.DEGRADED_REASON)) == [[""]] * len(names)  # one element per image
+    assert result.as_numpy(oip.NEEDS_REVIEW).tolist() == [[False]] * len(names)
     indices, scores = result.as_numpy(oip.CLASS_INDICES), result.as_numpy(oip.SCORES)
     assert indices.shape == scores.shape == result.as_numpy(oip.LABELS).shape == (len(names), 3)
     for row, (name, expected) in enumerate(zip(names, expected_answers)):
-        assert parameters["models"].split(",")[row] == expected["model"]["name"], parameters
+        assert texts(result.as_numpy(oip.MODEL))[row] == [expected["model"]["name"]]
+        assert texts(result.as_numpy(oip.ROUTE))[row] == [expected["route"]]
         assert indices[row].tolist() == [label["index"] for label in expected["labels"]]
         assert texts(result.as_numpy(oip.LABELS))[row] == [label["label"] for label in expected["labels"]]
         assert np.allclose(scores[row], [label["score"] for label in expected["labels"]], atol=1e-4)
@@ -130,3 +135,91 @@ def classify(http, data: bytes, top_k: int = 5) -> dict:
     response = http.post("/classify", content=data, params={"top_k": top_k}, headers={"X-Deadline-Ms": str(DEADLINE_MS)})
     assert response.status_code == 200, response.text
     return response.json()
+
+
+def test_every_tritonclient_call_a_user_makes(client):
+    """The calls of tritonclient's examples, in a user's order, each answered in a form tritonclient reads."""
+    assert client.is_server_live() and client.is_server_ready()
+    assert client.is_model_ready(oip.MODEL_NAME) and client.is_model_ready(oip.MODEL_NAME, oip.MODEL_VERSION)
+    assert set(client.get_server_metadata()["extensions"]) >= {"binary_tensor_data", "statistics"}
+    assert client.get_model_metadata(oip.MODEL_NAME)["versions"] == [oip.MODEL_VERSION]
+    assert client.get_model_config(oip.MODEL_NAME)["name"] == oip.MODEL_NAME
+    assert client.get_model_repository_index() == [
+        {"name": oip.MODEL_NAME, "version": oip.MODEL_VERSION, "state": "READY"}]
+    before = client.get_inference_statistics(oip.MODEL_NAME)["model_stats"][0]
+    jpeg = encode(photo("coffee"))
+    by_bytes = client.infer(oip.MODEL_NAME, [image_input([jpeg], True)], parameters={"deadline_ms": DEADLINE_MS})
+    pixels = photo("coffee")
+    tensor = triton.InferInput(oip.PIXELS, [1, *pixels.shape], "UINT8")
+    tensor.set_data_from_numpy(pixels[None])
+    by_pixels = client.infer(oip.MODEL_NAME, [tensor], parameters={"deadline_ms": DEADLINE_MS})
+    for result in (by_bytes, by_pixels):
+        assert set(result.as_numpy(oip.CLASS_INDICES)[0, :3].tolist()) & PHOTOS["coffee"]
+        assert texts(result.as_numpy(oip.DEGRADED_REASON)) == [[""]]
+    with pytest.raises(InferenceServerException) as unknown:
+        client.infer("resnet50", [image_input([jpeg], True)])
+    assert unknown.value.status() == "404" and "unknown model 'resnet50'" in unknown.value.message()
+    with pytest.raises(InferenceServerException) as unloadable:
+        client.load_model(oip.MODEL_NAME)  # the repository is read only: a protocol error, not a crash
+    assert unloadable.value.status() == "404" and isinstance(unloadable.value.message(), str)
+    after = client.get_inference_statistics(oip.MODEL_NAME)["model_stats"][0]
+    assert after["inference_count"] - before["inference_count"] >= 2  # this worker's; one API worker by default
+    assert after["inference_stats"]["success"]["count"] > before["inference_stats"]["success"]["count"]
+
+
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+def test_tritonclient_request_compression_is_accepted(client, http, algorithm):
+    images = [encode(photo("chelsea")), encode(photo("rocket"))]
+    result = client.infer(oip.MODEL_NAME, [image_input(images, True)], parameters={"deadline_ms": DEADLINE_MS},
+                          request_compression_algorithm=algorithm)
+    for row, (image, name) in enumerate(zip(images, ("chelsea", "rocket"))):
+        assert result.as_numpy(oip.CLASS_INDICES)[row].tolist() == [
+            label["index"] for label in classify(http, image)["labels"]]
+        assert set(result.as_numpy(oip.CLASS_INDICES)[row, :3].tolist()) & PHOTOS[name]
+    refused = http.post("/v2/models/rampart/infer", content=b"{}", headers={"Content-Encoding": "br"})
+    assert refused.status_code == 415 and refused.json()["error"].startswith("unsupported_format: ")
+
+
+#: A handful of the hostile bodies of the unit tests, sent to a real server.
+SERVER_HOSTILE = ["shape-30-digits", "pixel-1e300", "parameters-list", "tensor-parameters-string",
+                  "data-nested-500", "header-length-arabic-digits", "nan-parameter", "top-k-1e300"]
+
+
+def test_hostile_bodies_get_protocol_errors_and_the_worker_answers_after(http):
+    for name in SERVER_HOSTILE:
+        body, header_length = HOSTILE[name]
+        headers = {} if header_length is None else {oip.HEADER_LENGTH: header_length.encode()}
+        response = http.post("/v2/models/rampart/infer", content=body, headers=headers)
+        assert 400 <= response.status_code < 500 and isinstance(response.json()["error"], str), (name, response.text)
+    many = b'{"inputs":[{"name":"IMAGE","datatype":"BYTES","shape":[2000000],"data":[' + b",".join(
+        [b'""'] * 2_000_000) + b"]}]}"
+    refused = http.post("/v2/models/rampart/infer", content=many)
+    assert refused.status_code == 413 and refused.json()["error"].startswith("payload_too_large: ")
+    for method, path in (("GET", "/v2/models/rampart/infer"), ("GET", "/v2/no/such/thing")):
+        response = http.request(method, path)
+        assert response.status_code in (404, 405) and isinstance(response.json()["error"], str), response.text
+    assert classify(http, encode(photo("chelsea")))["model"]["name"] == "rampart-primary"
+
+
+PERF_ANALYZER = ROOT / ".perf-analyzer" / "perf_analyzer"
+
+
+@pytest.mark.parametrize("inputs", ["inputs.json", "pixels.json"])
+def test_perf_analyzer_drives_v2_without_errors(server, client, inputs):
+    """perf_analyzer as docs/oip.md runs it: a few seconds at concurrency 1 and 2, its table free of errors."""
+    if not PERF_ANALYZER.exists():
+        pytest.skip("perf_analyzer is not installed: run `make perf-analyzer` (make test runs it)")
+    failed_before = client.get_inference_statistics(oip.MODEL_NAME)["model_stats"][0]["inference_stats"]["fail"]
+    run = subprocess.run(
+        [str(PERF_ANALYZER), "-u", server.url.removeprefix("http://"), "-i", "http", "-m", oip.MODEL_NAME,
+         "--input-data", str(ROOT / "bench" / "perf_analyzer" / inputs), "--concurrency-range", "1:2",
+         "--measurement-interval", "1000", "--stability-percentage", "999", "--max-trials", "10"],
+        capture_output=True, text=True, timeout=120)
+    output = run.stdout + run.stderr
+    assert run.returncode == 0, output
+    table = output.split("Inferences/Second vs. Client Average Batch Latency")[1].strip().splitlines()
+    assert [line.split(",")[0] for line in table] == ["Concurrency: 1", "Concurrency: 2"], output
+    assert all(float(line.split("throughput: ")[1].split()[0]) > 0 for line in table), output
+    assert "error" not in output.lower() and "failed" not in output.lower(), output
+    failed_after = client.get_inference_statistics(oip.MODEL_NAME)["model_stats"][0]["inference_stats"]["fail"]
+    assert failed_after["count"] == failed_before["count"], "perf_analyzer's requests were refused"

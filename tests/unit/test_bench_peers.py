@@ -30,9 +30,9 @@ TRITON_ANSWER = (
 def test_oip_request_is_one_raw_image_in_the_binary_extension_with_json_outputs():
     image = encode(photo("chelsea"))
     body, headers = oip_request(image)
-    parsed = oip.parse_infer_request(body, headers[oip.HEADER_LENGTH], max_image_bytes=len(image))
+    parsed = oip.parse_infer_request(body, headers[oip.HEADER_LENGTH], oip.Limits(1, len(image), 50_000_000))
     assert parsed.images == [image]
-    assert parsed.outputs == [(name, False) for name in oip.OUTPUT_DATATYPES] and not parsed.binary_output
+    assert parsed.outputs == [(name, False) for name in oip.TOP_K_OUTPUTS] and not parsed.binary_output
     assert len(body) == int(headers[oip.HEADER_LENGTH]) + 4 + len(image)  # no base64: the bytes as they are
     assert headers["Accept-Encoding"] == "identity"
 
@@ -51,8 +51,8 @@ def test_oip_answer_reads_a_triton_answer_as_tritonclient_does():
     (answer([], "no_model_available"), None, "no_model_available"),
 ], ids=["answered", "unanswered"])
 def test_oip_answer_reads_rampart_v2_answers(result, model, reason):
-    """Rampart's own ``/v2`` answer: the model and the degraded reason come from the response parameters,
-    padding entries (index -1) are no labels."""
+    """Rampart's own ``/v2`` answer: the model and the degraded reason come from the outputs ``MODEL`` and
+    ``DEGRADED_REASON``, padding entries (index -1) are no labels."""
     parsed = oip.InferRequest(None, [b""], {}, [(name, False) for name in oip.OUTPUT_DATATYPES], False)
     response = oip.encode_infer_response(parsed, [result], 5, "req-1", "v")
     ours = oip_answer(triton.InferenceServerClient.parse_response_body(response.body).get_response())

@@ -7,20 +7,35 @@ and ``bentoml.SyncHTTPClient`` against a real server) are in ``tests/server/test
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import dataclasses
+import functools
+import gzip
 import io
 import json
+import zlib
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 import tritonclient.http as triton
 from PIL import Image
 
-from rampart.api import oip
-from rampart.errors import EmptyBody, InvalidParameter, PayloadTooLarge
+from starlette.requests import Request
+from starlette.testclient import TestClient
+
+from bench.perf_analyzer import make_inputs
+from rampart.api import http, oip
+from rampart.api.app import refuse_before_admission
+from rampart.config import Settings
+from rampart.errors import BodyTimeout, EmptyBody, InvalidParameter, PayloadTooLarge, RampartError
 from tests.support import encode, photo
+from tests.unit.test_app import CAT, COFFEE, make_rig, rig  # noqa: F401 - fixtures: an app on stand-in models
 
 OUTPUTS = (oip.LABELS, oip.SCORES, oip.CLASS_INDICES)
+#: The default settings' limits: 16 images, 20 MB each, 50 M pixels each.
+LIMITS = oip.Limits(max_images=16, max_image_bytes=20_000_000, max_pixels=50_000_000)
 #: Generous, so a loaded 2-core machine does not turn the comparisons into degraded answers.
 DEADLINE_MS = 5000
 
@@ -36,6 +51,10 @@ def image_input(images: list[bytes], binary: bool) -> triton.InferInput:
 def texts(array: np.ndarray) -> list:
     """A BYTES output as nested lists of str (tritonclient gives bytes from binary data, str from JSON)."""
     return [[v.decode() if isinstance(v, bytes) else v for v in row] for row in array.tolist()]
+
+
+def limits(**changes) -> oip.Limits:
+    return dataclasses.replace(LIMITS, **changes)
 
 
 def request_body(inputs, outputs=None, **kwargs) -> tuple[bytes, str | None]:
@@ -57,7 +76,7 @@ def test_tritonclient_request_bodies_parse_to_the_same_images(binary):
     images = [encode(photo("chelsea")), encode(photo("coffee"), "PNG")]
     body, header_length = request_body([image_input(images, binary)], request_id="r-1",
                                        parameters={"top_k": 3, "deadline_ms": 800})
-    parsed = oip.parse_infer_request(body, header_length, 20_000_000)
+    parsed = oip.parse_infer_request(body, header_length, LIMITS)
     assert parsed.images == images and parsed.id == "r-1"
     assert parsed.parameters["top_k"] == 3 and parsed.parameters["deadline_ms"] == 800
     assert parsed.outputs is None and parsed.binary_output is True  # tritonclient's default: all outputs binary
@@ -65,9 +84,9 @@ def test_tritonclient_request_bodies_parse_to_the_same_images(binary):
 
 def test_binary_image_over_the_byte_cap_is_413():
     body, header_length = request_body([image_input([b"x" * 10, b"x" * 11], True)])
-    assert len(oip.parse_infer_request(body, header_length, 11).images) == 2
+    assert len(oip.parse_infer_request(body, header_length, limits(max_image_bytes=11)).images) == 2
     with pytest.raises(PayloadTooLarge, match=r"IMAGE\[1\]"):
-        oip.parse_infer_request(body, header_length, 10)
+        oip.parse_infer_request(body, header_length, limits(max_image_bytes=10))
 
 
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
@@ -75,7 +94,7 @@ def test_pixels_input_becomes_a_lossless_image(binary):
     pixels = photo("coffee")[:64, :80]
     tensor = triton.InferInput(oip.PIXELS, [1, *pixels.shape], "UINT8")
     tensor.set_data_from_numpy(pixels[None], binary_data=binary)
-    (image,) = oip.parse_infer_request(*request_body([tensor]), 20_000_000).images
+    (image,) = oip.parse_infer_request(*request_body([tensor]), LIMITS).images
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(image)).convert("RGB")), pixels)
 
 
@@ -110,7 +129,7 @@ def bad_request(header: dict) -> bytes:
         "huge-pixel-shape"])
 def test_malformed_requests_raise_rampart_errors(body, header_length, error):
     with pytest.raises(error):
-        oip.parse_infer_request(body, header_length, max_image_bytes=10)
+        oip.parse_infer_request(body, header_length, limits(max_image_bytes=10))
 
 
 def answer(labels: list[tuple[int, str, float]], reason: str | None = None) -> dict:
@@ -123,7 +142,7 @@ def answer(labels: list[tuple[int, str, float]], reason: str | None = None) -> d
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
 def test_responses_read_back_with_tritonclient_and_pad_unanswered_rows(binary):
     results = [answer([(285, "Egyptian cat", 0.5), (281, "tabby", 0.25)]), answer([], "no_model_available")]
-    parsed = oip.InferRequest("id-7", [b"", b""], {}, [(name, binary) for name in OUTPUTS], False)
+    parsed = oip.InferRequest("id-7", [b"", b""], {}, [(name, binary) for name in oip.OUTPUT_DATATYPES], False)
     response = oip.encode_infer_response(parsed, results, 2, "req-1", "v")
     length = response.headers.get(oip.HEADER_LENGTH)
     assert (length is not None) == binary
@@ -132,18 +151,347 @@ def test_responses_read_back_with_tritonclient_and_pad_unanswered_rows(binary):
     assert result.as_numpy(oip.SCORES).dtype == np.float32
     assert result.as_numpy(oip.SCORES).tolist() == [[0.5, 0.25], [0.0, 0.0]]
     assert result.as_numpy(oip.CLASS_INDICES).tolist() == [[285, 281], [-1, -1]]
+    assert texts(result.as_numpy(oip.DEGRADED_REASON)) == [[""], ["no_model_available"]]
+    assert texts(result.as_numpy(oip.MODEL)) == [["rampart-primary"], [""]]
+    assert result.as_numpy(oip.NEEDS_REVIEW).tolist() == [[False], [True]]
     parameters = result.get_response()["parameters"]
-    assert parameters["degraded"] is True and parameters["degraded_reason"] == ",no_model_available"
+    assert parameters["degraded"] is True and parameters["needs_review"] is True
     assert parameters["request_id"] == "req-1" and parameters["total_ms"] == 6.0
     assert result.get_response()["id"] == "id-7"
 
 
-def test_response_parameters_carry_each_images_route_as_on_classify():
+def test_per_image_outcomes_are_one_element_per_image_not_joined_strings():
     confident = {**answer([(285, "Egyptian cat", 0.9)]), "route": "cascade_confident",
                  "model": {"name": "rampart-fallback", "version": "v"}}
     escalated = {**answer([(281, "tabby", 0.6)]), "route": "cascade_escalated"}
     unanswered = {**answer([], "no_model_available"), "route": None}
     parsed = oip.InferRequest(None, [b""] * 3, {}, None, False)
     body = json.loads(oip.encode_infer_response(parsed, [confident, escalated, unanswered], 1, "req-2", "v").body)
-    assert body["parameters"]["routes"] == "cascade_confident,cascade_escalated,"
-    assert body["parameters"]["models"] == "rampart-fallback,rampart-primary,"
+    outputs = {output["name"]: output for output in body["outputs"]}
+    assert list(outputs) == list(oip.OUTPUT_DATATYPES)  # every output when none is named
+    assert outputs[oip.ROUTE]["data"] == ["cascade_confident", "cascade_escalated", ""]
+    assert outputs[oip.MODEL]["data"] == ["rampart-fallback", "rampart-primary", ""]
+    assert outputs[oip.DEGRADED_REASON]["data"] == ["", "", "no_model_available"]
+    assert all(outputs[name]["shape"] == [3, 1] for name in (oip.ROUTE, oip.MODEL, oip.DEGRADED_REASON))
+    two_full = json.loads(oip.encode_infer_response(parsed, [confident, escalated], 1, "r", "v").body)
+    assert {o["name"]: o["data"] for o in two_full["outputs"]}[oip.DEGRADED_REASON] == ["", ""]
+    assert "degraded_reason" not in two_full["parameters"] and two_full["parameters"]["degraded"] is False
+
+
+def test_metadata_and_config_declare_the_same_tensors():
+    """perf_analyzer checks data against the metadata's shapes with the batch dimension removed, and
+    against the config's dims: they must agree (Triton's convention: metadata = [-1] + dims)."""
+    metadata, config = oip.model_metadata("v"), oip.model_config(Settings(), "v")
+    declared = {t["name"]: t["shape"] for t in metadata["inputs"] + metadata["outputs"]}
+    dims = {t["name"]: [-1, *t["dims"]] for t in config["input"] + config["output"]}
+    assert declared == dims
+    assert declared[oip.IMAGE] == [-1, 1] and declared[oip.PIXELS] == [-1, -1, -1, 3]
+    types = {t["name"]: t["datatype"] for t in metadata["inputs"] + metadata["outputs"]}
+    assert {t["name"]: t["data_type"] for t in config["input"] + config["output"]} == {
+        name: "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}" for name, datatype in types.items()}
+
+
+# --- hostile bodies: every one a 4xx RampartError, never another exception ----------------------------
+
+def image_json(**changes) -> dict:
+    return {"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": ["eA=="], **changes}]}
+
+
+def pixels_json(**changes) -> dict:
+    return {"inputs": [{"name": "PIXELS", "datatype": "UINT8", "shape": [1, 1, 1, 3], "data": [1, 2, 3], **changes}]}
+
+
+def raw(text: str) -> bytes:
+    return text.encode()
+
+
+HOSTILE = {
+    "shape-1e300": (bad_request(image_json(shape=[1e300])), None),
+    "shape-30-digits": (raw('{"inputs":[{"name":"IMAGE","datatype":"BYTES","shape":[123456789012345678901234567890],'
+                            '"data":["eA=="]}]}'), None),
+    "shape-bool": (bad_request(image_json(shape=[True])), None),
+    "shape-infinity": (raw('{"inputs":[{"name":"IMAGE","datatype":"BYTES","shape":[Infinity],"data":["eA=="]}]}'), None),
+    "nan-parameter": (raw('{"inputs":[{"name":"IMAGE","datatype":"BYTES","shape":[1],"data":["eA=="]}],'
+                          '"parameters":{"deadline_ms":NaN}}'), None),
+    "pixel-1e300": (bad_request(pixels_json(data=[1e300, 0, 0])), None),
+    "pixel-30-digits": (raw('{"inputs":[{"name":"PIXELS","datatype":"UINT8","shape":[1,1,1,3],'
+                            '"data":[123456789012345678901234567890,0,0]}]}'), None),
+    "pixel-float": (bad_request(pixels_json(data=[1.5, 0, 0])), None),
+    "pixel-bool": (bad_request(pixels_json(data=[True, 0, 0])), None),
+    "pixel-negative": (bad_request(pixels_json(data=[-1, 0, 0])), None),
+    "pixel-ragged": (bad_request(pixels_json(data=[[1, 2], 3])), None),
+    "pixels-over-max-pixels": (bad_request(pixels_json(shape=[1, 60_000, 1_000, 3])), None),
+    "parameters-list": (bad_request({**image_json(), "parameters": [1, 2]}), None),
+    "parameters-string": (bad_request({**image_json(), "parameters": "top_k=3"}), None),
+    "tensor-parameters-list": (bad_request(image_json(parameters=[{"binary_data_size": 1}])), None),
+    "tensor-parameters-string": (bad_request(image_json(parameters="binary")), None),
+    "output-parameters-list": (bad_request({**image_json(), "outputs": [{"name": "LABELS", "parameters": [1]}]}), None),
+    "output-binary-data-string": (bad_request({**image_json(), "outputs": [{"name": "LABELS",
+                                                                            "parameters": {"binary_data": "yes"}}]}), None),
+    "binary-size-float": (bad_request(image_json(parameters={"binary_data_size": 1e300})), "60"),
+    "binary-size-bool": (bad_request(image_json(parameters={"binary_data_size": True})), None),
+    "id-object": (bad_request({**image_json(), "id": {"a": 1}}), None),
+    "top-k-1e300": (bad_request({**image_json(), "parameters": {"top_k": 1e300}}), None),
+    "data-nested-500": (raw('{"inputs":[{"name":"IMAGE","datatype":"BYTES","shape":[1],"data":'
+                            + "[" * 500 + '"eA=="' + "]" * 500 + "}]}"), None),
+    "data-nested-5000": (raw('{"inputs":[{"name":"IMAGE","datatype":"BYTES","shape":[1],"data":'
+                             + "[" * 5000 + "]" * 5000 + "}]}"), None),
+    "header-length-arabic-digits": (bad_request(image_json()), "\u0661\u0662"),
+    "header-length-superscript": (bad_request(image_json()), "\u00b2"),
+    "header-length-negative": (bad_request(image_json()), "-1"),
+    "header-length-huge": (bad_request(image_json()), "9" * 40),
+    "not-utf8": (b'{"inputs": "\xff\xfe"}', None),
+    "two-inputs": (bad_request({"inputs": image_json()["inputs"] * 2}), None),
+}
+
+
+def interpret(body: bytes, header_length: str | None) -> oip.InferRequest:
+    """What ``/infer`` does with a body before classifying: parse it, then read its parameters."""
+    parsed = oip.parse_infer_request(body, header_length, LIMITS)
+    request = Request({"type": "http", "method": "POST", "path": "/v2/models/rampart/infer", "headers": [],
+                       "query_string": b""})
+    settings_ = Settings()
+    deadline = http.parse_deadline(request, settings_)
+    oip.request_options(request, parsed.parameters, settings_, 0.0, deadline)
+    return parsed
+
+
+@pytest.mark.parametrize("body, header_length", HOSTILE.values(), ids=HOSTILE.keys())
+def test_hostile_bodies_are_refused_with_a_client_error(body, header_length):
+    with pytest.raises(RampartError) as refused:
+        interpret(body, header_length)
+    assert 400 <= refused.value.status < 500 and refused.value.message
+
+
+def test_ten_million_empty_binary_elements_are_refused_on_their_declared_count():
+    blob = b"\x00\x00\x00\x00" * 10_000_000
+    for declared in (10_000_000, 1):
+        header = bad_request({"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [declared],
+                                          "parameters": {"binary_data_size": len(blob)}}]})
+        with pytest.raises(InvalidParameter, match="16|more than the 1 elements"):
+            oip.parse_infer_request(header + blob, str(len(header)), LIMITS)
+
+
+@pytest.mark.parametrize("body", [
+    b'{"inputs":[{"name":"IMAGE","datatype":"BYTES","shape":[2000000],"data":[' + b",".join([b'""'] * 2_000_000) + b"]}]}",
+    b'{"inputs":[{"name":"PIXELS","datatype":"UINT8","shape":[1,1000,1000,3],"data":['
+    + b",".join([b"7"] * 3_000_000) + b"]}]}",
+], ids=["2M-empty-strings", "3M-pixel-values"])
+def test_json_holding_more_values_than_the_cap_is_413_before_it_is_parsed(body, monkeypatch):
+    monkeypatch.setattr(oip.json, "loads", lambda *a, **k: pytest.fail("parsed a JSON part over the value cap"))
+    with pytest.raises(PayloadTooLarge, match="binary tensor data extension"):
+        oip.parse_infer_request(body, None, LIMITS)
+
+
+def test_json_pixels_up_to_the_cap_are_accepted():
+    side = int((oip.MAX_JSON_VALUES // 3) ** 0.5)
+    pixels = np.random.default_rng(0).integers(0, 256, (1, side, side, 3), dtype=np.uint8)
+    body = bad_request({"inputs": [{"name": "PIXELS", "datatype": "UINT8", "shape": list(pixels.shape),
+                                    "data": pixels.tolist()}]})
+    (image,) = oip.parse_infer_request(body, None, LIMITS).images
+    assert np.array_equal(np.asarray(Image.open(io.BytesIO(image))), pixels[0])
+
+
+#: Values hypothesis puts anywhere in a request: every JSON type, numbers beyond every dtype, NaN/Infinity.
+SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-(10**30), 10**30),
+                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+                    st.sampled_from(["IMAGE", "PIXELS", "BYTES", "UINT8", "eA==", "", "high", "1e300"]))
+VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+    st.sampled_from(["name", "datatype", "shape", "data", "parameters", "binary_data_size", "top_k", "inputs"])
+    | st.text(max_size=6), inner, max_size=4), max_leaves=12)
+TEMPLATES = [image_json(), pixels_json(),
+             {**image_json(), "parameters": {"top_k": 3, "deadline_ms": 800, "priority": 1},
+              "outputs": [{"name": "LABELS", "parameters": {"binary_data": True}}], "id": "r"},
+             {"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1, 1], "parameters": {"binary_data_size": 5}}]}]
+
+
+@st.composite
+def hostile_requests(draw) -> tuple[bytes, str | None]:
+    """A valid request (JSON or binary), then 1-4 of: a field replaced by any value, a field deleted,
+    a value nested up to 1,200 lists deep; the binary part and Inference-Header-Content-Length mutated."""
+    request = json.loads(json.dumps(draw(st.sampled_from(TEMPLATES))))
+    nests = {}  # marker string: (depth, value), spliced into the text (json cannot write 1,200 levels)
+    for _ in range(draw(st.integers(1, 4))):
+        node = request
+        while isinstance(node, (dict, list)) and node and draw(st.booleans()):
+            key = draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
+            if not isinstance(node[key], (dict, list)) or not node[key]:
+                break
+            node = node[key]
+        if not isinstance(node, (dict, list)) or not node:
+            continue
+        key = draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
+        action = draw(st.sampled_from(["replace", "delete", "nest"]))
+        if action == "replace":
+            node[key] = draw(VALUES)
+        elif action == "delete":
+            del node[key]
+        else:
+            marker = f"nest-{len(nests)}"
+            nests[marker] = (draw(st.integers(1, 1200)), node[key])
+            node[key] = marker
+    text = json.dumps(request)
+    for marker, (depth, value) in nests.items():
+        text = text.replace(json.dumps(marker), "[" * depth + json.dumps(value) + "]" * depth)
+    text = text.encode()
+    binary = draw(st.sampled_from([b"", serialize(b"x"), b"\x05\x00", b"\xff" * 9]))
+    header_length = draw(st.one_of(st.none(), st.just(str(len(text))), st.text(max_size=6),
+                                   st.integers(-5, len(text) + 20).map(str)))
+    return text + binary, header_length
+
+
+def serialize(image: bytes) -> bytes:
+    return oip.serialize_bytes([image])
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(hostile_requests())
+def test_any_body_is_a_request_or_a_client_error(body_and_header):
+    body, header_length = body_and_header
+    try:
+        parsed = interpret(body, header_length)
+    except RampartError as exc:
+        assert 400 <= exc.status < 500, exc
+        return
+    assert 1 <= len(parsed.images) <= LIMITS.max_images
+    assert all(isinstance(image, bytes) and len(image) <= LIMITS.max_image_bytes for image in parsed.images)
+    assert isinstance(parsed.parameters, dict) and isinstance(parsed.binary_output, bool)
+
+
+# --- the routes in-process: compression, errors in the protocol's form, statistics, repository index ---
+
+def infer_body(images: list[bytes]) -> tuple[bytes, dict]:
+    body, header_length = request_body([image_input(images, True)], parameters={"deadline_ms": DEADLINE_MS})
+    return body, {oip.HEADER_LENGTH: header_length, "Content-Type": "application/octet-stream"}
+
+
+@pytest.mark.parametrize("encoding, compress", [("gzip", gzip.compress), ("deflate", zlib.compress),
+                                                ("GZip", gzip.compress), ("identity", lambda body: body)])
+def test_compressed_bodies_are_answered_as_plain_ones(rig, encoding, compress):
+    body, headers = infer_body([CAT])
+    response = rig.client.post("/v2/models/rampart/infer", content=compress(body),
+                               headers={**headers, "Content-Encoding": encoding})
+    assert response.status_code == 200, response.text
+    result = triton.InferenceServerClient.parse_response_body(
+        response.content, header_length=int(response.headers[oip.HEADER_LENGTH]))
+    assert result.as_numpy(oip.CLASS_INDICES)[0, 0] == 281  # the stand-in primary's best class
+
+
+@pytest.mark.parametrize("encoding, body, status, code", [
+    ("br", b"anything", 415, "unsupported_format"),
+    ("gzip, deflate", b"anything", 415, "unsupported_format"),
+    ("gzip", b"not gzip at all", 422, "invalid_parameter"),
+    ("gzip", gzip.compress(b'{"inputs": []}')[:-6], 422, "invalid_parameter"),
+    ("deflate", zlib.compress(b"{}") + b"trailing", 422, "invalid_parameter"),
+], ids=["brotli", "two-encodings", "not-gzip", "truncated", "trailing-data"])
+def test_other_or_broken_encodings_are_protocol_errors(rig, encoding, body, status, code):
+    response = rig.client.post("/v2/models/rampart/infer", content=body, headers={"Content-Encoding": encoding})
+    assert response.status_code == status
+    assert isinstance(response.json()["error"], str) and response.json()["error"].startswith(f"{code}: ")
+
+
+@functools.cache
+def zeros_bomb(size: int) -> bytes:
+    """``size`` zero bytes, gzip-compressed (about 1,000:1)."""
+    compressor, zeros = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS), bytes(1 << 20)
+    return b"".join([*(compressor.compress(zeros) for _ in range(size >> 20)), compressor.flush()])
+
+
+def test_a_decompression_bomb_stops_at_the_byte_cap(make_rig):
+    rig = make_rig(max_batch_images=1, max_body_bytes=1_000_000)  # a cap of 1 MB + multipart overhead
+    bomb = zeros_bomb(64 << 20)  # 64 MiB inflated, 64 KB sent
+    response = rig.client.post("/v2/models/rampart/infer", content=bomb, headers={"Content-Encoding": "gzip"})
+    assert response.status_code == 413 and response.json()["error"].startswith("payload_too_large: the decompressed")
+
+
+def test_inflating_stops_reading_a_bomb_once_past_the_cap():
+    bomb = zeros_bomb(64 << 20)
+    pieces = [bomb[start:start + 1024] for start in range(0, len(bomb), 1024)]
+    consumed = []
+
+    async def chunks():
+        for piece in pieces:
+            consumed.append(piece)
+            yield piece
+
+    with pytest.raises(PayloadTooLarge):
+        asyncio.run(oip._inflated(chunks(), zlib.decompressobj(16 + zlib.MAX_WBITS), 4 << 20))
+    assert len(consumed) < len(pieces) / 8  # about 4 MiB of 64 inflated
+
+
+@pytest.mark.parametrize("method, path, status", [
+    ("GET", "/v2/models/rampart/infer", 405), ("DELETE", "/v2", 405), ("GET", "/v2/nothing/here", 404),
+    ("POST", "/v2/repository/models/rampart/load", 404), ("GET", "/v2/models/other/stats", 404),
+    ("POST", "/v2/models/rampart/versions/7/infer", 404),
+])
+def test_every_error_under_v2_has_a_string_error(rig, method, path, status):
+    response = rig.client.request(method, path)
+    assert response.status_code == status and isinstance(response.json()["error"], str), response.text
+    if status == 405:
+        assert response.headers["allow"]
+    other = rig.client.get("/no/such/path").json()["error"]  # the rest of the server keeps its own form
+    assert other["code"] == "not_found"
+
+
+def test_statistics_count_answers_and_failures(rig):
+    body, headers = infer_body([CAT, COFFEE])
+    assert rig.client.post("/v2/models/rampart/infer", content=body, headers=headers).status_code == 200
+    assert rig.client.post("/v2/models/rampart/infer", content=b"{}").status_code == 422
+    (stats,) = rig.client.get("/v2/models/rampart/stats").json()["model_stats"]
+    assert rig.client.get("/v2/models/stats").json()["model_stats"] == [stats]
+    assert (stats["name"], stats["version"]) == (oip.MODEL_NAME, oip.MODEL_VERSION)
+    assert (stats["inference_count"], stats["execution_count"]) == (2, 1)
+    counts = {stage: value["count"] for stage, value in stats["inference_stats"].items()}
+    assert counts == {"success": 1, "fail": 1, "queue": 1, "compute_input": 1, "compute_infer": 1, "compute_output": 1}
+    assert stats["inference_stats"]["success"]["ns"] > 0
+
+
+def test_repository_index_lists_the_model_with_its_state(rig):
+    assert rig.client.post("/v2/repository/index").json() == [
+        {"name": oip.MODEL_NAME, "version": oip.MODEL_VERSION, "state": "READY"}]
+    rig.lifecycle.begin_drain()
+    assert rig.client.post("/v2/repository/index", json={"ready": True}).json() == []
+    assert rig.client.post("/v2/repository/index").json()[0]["state"] == "UNAVAILABLE"
+    refused = rig.client.post("/v2/repository/index", content=b"[1]")
+    assert refused.status_code == 422 and isinstance(refused.json()["error"], str)
+
+
+def test_hostile_bodies_through_the_route_are_protocol_errors_and_the_next_request_is_answered(rig):
+    for name, (body, header_length) in HOSTILE.items():
+        headers = {} if header_length is None else {oip.HEADER_LENGTH: header_length.encode()}  # UTF-8 on the wire
+        response = rig.client.post("/v2/models/rampart/infer", content=body, headers=headers)
+        assert 400 <= response.status_code < 500 and isinstance(response.json()["error"], str), (name, response.text)
+    body, headers = infer_body([CAT])
+    assert rig.client.post("/v2/models/rampart/infer", content=body, headers=headers).status_code == 200
+
+
+def test_the_shipped_perf_analyzer_inputs_are_what_make_inputs_builds_and_parse():
+    for name, build in make_inputs.FILES.items():
+        assert json.loads((make_inputs.HERE / name).read_text()) == build(), f"rebuild {name}: see make_inputs"
+    (step,) = make_inputs.image_inputs()["data"]
+    (jpeg,) = oip.deserialize_bytes(base64.b64decode(step[oip.IMAGE]["b64"]))
+    assert Image.open(io.BytesIO(jpeg)).format == "JPEG"
+
+
+def test_a_request_over_the_in_flight_bound_is_refused_in_the_protocol_s_form_under_v2(rig):
+    refuse = TestClient(refuse_before_admission(rig.client.app.app))  # what rampart.api.arrival answers with
+    response = refuse.post("/v2/models/rampart/infer", content=b"{}")
+    assert response.status_code == 429 and response.json()["error"].startswith("overloaded: ")
+    assert int(response.headers["retry-after"]) >= 1
+    assert refuse.post("/classify", content=b"").json()["error"]["code"] == "overloaded"
+
+
+class SpentDeadline:
+    """A deadline with no time left (the ``Deadline`` interface ``_parse_within`` reads)."""
+
+    def remaining_s(self) -> float:
+        return 0.0
+
+    def share_ms(self) -> float:
+        return 5.0
+
+
+def test_parsing_past_the_deadline_is_408():
+    body, header_length = request_body([image_input([encode(photo("coffee"))], False)])
+    with pytest.raises(BodyTimeout, match="parsed within the deadline"):
+        asyncio.run(oip._parse_within(body, header_length, LIMITS, SpentDeadline()))
