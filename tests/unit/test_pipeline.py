@@ -103,3 +103,30 @@ def test_an_upload_the_primary_took_decodes_before_one_sent_to_the_fallback():
         held.append(service.primary.gate.reserve(False, 10.0))
     assert asyncio.run(service.classify(data, 1, Deadline(10_000)))["degraded_reason"] == "primary_overloaded"
     assert pool.ranks == [0, 1]
+
+
+def recording_endpoint(name: str, resolution: int, best: int, fail: bool = False) -> tuple[ModelEndpoint, list]:
+    """``endpoint`` that also records the (bucket name, pixel shape) of every call."""
+    calls: list = []
+    inner = endpoint(name, resolution, best, fail)
+
+    async def call(bucket_name, pixels, deadline):
+        calls.append((bucket_name, pixels.shape))
+        return await inner.call(bucket_name, pixels, deadline)
+
+    return ModelEndpoint(name, "v1", LABELS, buckets_for_resolution(resolution), call), calls
+
+
+@pytest.mark.parametrize("primary_fails", [False, True])
+def test_the_fallbacks_input_is_made_only_when_the_fallback_is_called(primary_fails):
+    primary, primary_calls = recording_endpoint("primary", 260, 1, fail=primary_fails)
+    fallback, fallback_calls = recording_endpoint("fallback", 224, 2)
+    chain = Classifier(Settings(), primary, fallback, BoundedPool(2, 8))
+    answer = asyncio.run(chain.classify(encode(photo("chelsea")), 3, Deadline(5_000)))
+    assert primary_calls == [("landscape", (260, 346, 3))]
+    if primary_fails:
+        assert fallback_calls == [("landscape", (224, 298, 3))] and answer["model"]["name"] == "fallback"
+        assert set(answer.inputs) == {"primary", "fallback"}
+    else:
+        assert fallback_calls == [] and answer["model"]["name"] == "primary"
+        assert set(answer.inputs) == {"primary"}  # no second resize for a model that was not asked
