@@ -22,6 +22,7 @@ from rampart.overload.deadline import Deadline, run_within
 from rampart.errors import (
     BodyTimeout,
     ClientDisconnected,
+    DeadlineTooShort,
     EmptyBody,
     InvalidParameter,
     MethodNotAllowed,
@@ -92,7 +93,8 @@ def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.
     The ``Deadline`` is sliced by ``Deadline.sliced``: its answer margin is
     ``answer_margin_ms`` + ``loop_lag_ms`` (the event loop's recent lag), so the
     answer is sent by the client's deadline. Raises ``InvalidParameter`` (422) for a
-    value that is not a number, not positive and finite, or not above ``answer_margin_ms``.
+    value that is not a number or not positive and finite, and ``DeadlineTooShort`` (422
+    ``deadline_too_short``) for one below ``settings.min_deadline_ms``.
     """
     if arrival is None:
         arrival = arrival_of(request.scope, request.headers.get("x-request-start"), settings.max_deadline_ms)
@@ -105,9 +107,11 @@ def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.
         raise InvalidParameter(f"X-Deadline-Ms must be a number of milliseconds, got {raw[:32]!r}") from None
     if not budget > 0 or budget != budget or budget == float("inf"):
         raise InvalidParameter(f"X-Deadline-Ms must be positive and finite, got {raw[:32]!r}")
-    if budget <= settings.answer_margin_ms:
-        raise InvalidParameter(
-            f"X-Deadline-Ms={raw[:32]} leaves no time to answer; it must exceed {settings.answer_margin_ms} ms"
+    if budget < settings.min_deadline_ms:
+        raise DeadlineTooShort(
+            f"X-Deadline-Ms={raw[:32]} is below the minimum deadline of {settings.min_deadline_ms} ms (answer_margin_ms "
+            f"{settings.answer_margin_ms} + min_service_ms {settings.min_service_ms}): too short to classify an image "
+            "even on an idle server"
         )
     return Deadline.sliced(min(budget, settings.max_deadline_ms), arrival, settings, loop_lag_ms)
 

@@ -159,13 +159,19 @@ def test_a_decode_that_outlives_the_deadline_is_deadline_exceeded(make_rig, tmp_
 @pytest.mark.parametrize("query, headers", [
     ("top_k=0", {}), ("top_k=21", {}), ("top_k=five", {}),
     ("", {"X-Deadline-Ms": "soon"}), ("", {"X-Deadline-Ms": "-5"}), ("", {"X-Deadline-Ms": "inf"}),
-    ("", {"X-Deadline-Ms": "20"}),  # no time left beyond answer_margin_ms
     ("", {"X-Priority": "urgent"}),
 ])
 def test_bad_parameters_are_422_invalid_parameter(rig, query, headers):
     response = rig.client.post(f"/classify?{query}", content=CAT, headers=headers)
     assert error_of(response) == (422, "invalid_parameter")
     assert response.json()["error"]["request_id"] == response.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("raw", ["1", "20", "49.9"])
+def test_a_deadline_below_the_minimum_is_422_deadline_too_short(rig, raw):
+    response = rig.client.post("/classify", content=CAT, headers={"X-Deadline-Ms": raw})
+    assert error_of(response) == (422, "deadline_too_short")
+    assert "minimum deadline of 50 ms" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("content_type, body", [
