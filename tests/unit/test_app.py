@@ -107,6 +107,16 @@ def test_multipart_field_image_is_classified_like_a_raw_body(rig):
     assert response.status_code == 200 and response.json()["labels"][0]["index"] == 281
 
 
+def test_top_k_may_come_as_a_multipart_field_as_bentoml_s_client_sends_it(rig):
+    image = {"image": ("cat.jpg", CAT, "image/jpeg")}
+    assert len(rig.client.post("/classify", files=image, data={"top_k": "2"}).json()["labels"]) == 2
+    batch = rig.client.post("/classify_batch", files=[("images", ("cat.jpg", CAT))] * 2, data={"top_k": "3"}).json()
+    assert [len(entry["labels"]) for entry in batch["results"]] == [3, 3]
+    for data, query in (({"top_k": "2"}, "?top_k=2"), ({"top_k": "0"}, ""), ({"top_k": "7" * 65}, "")):
+        response = rig.client.post(f"/classify{query}", files=image, data=data)
+        assert error_of(response) == (422, "invalid_parameter"), response.json()
+
+
 @pytest.mark.parametrize("mode, reason", [("error", "primary_error"), ("hang", "primary_timeout"),
                                           ("expired", "primary_timeout")])
 def test_a_failing_primary_hands_over_to_the_fallback(rig, mode, reason):
