@@ -76,7 +76,7 @@ def test_cli_prints_json_with_the_answer_and_each_failure_in_place(server, tmp_p
     junk.write_bytes(b"\x00\x01 not an image")
     out = subprocess.run(
         [sys.executable, "-m", "rampart_client", "classify", str(path), str(junk), "--url", server.url, "--top-k", "2",
-         "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+         "--deadline-ms", "30000", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert out.returncode == 1, out.stderr  # one image failed
     answered, refused = json.loads(out.stdout)

@@ -4,13 +4,13 @@ really ran until the deadline's share was spent."""
 
 from __future__ import annotations
 
+import time
+
 from rampart.config import Settings
 from tests.server.test_observability import scrape
 from tests.support import PHOTOS, encode, photo
 
 SETTINGS = Settings()  # the session server runs the defaults
-#: Time of the request the answer's timings do not cover (reading the body, building the answer), ms.
-UNTIMED_MS = 2.0
 #: Every degraded reason an idle server may give a deadline from the minimum on: the primary's share is
 #: used up or spent (``primary_timeout``), the fallback ran out of time too (the cache or the static
 #: answer), the decode did (``deadline_exceeded``). Never a 429: nothing else is in flight.
@@ -30,7 +30,9 @@ def test_every_deadline_from_1_to_60_ms_gets_the_documented_answer(server, http)
     assert minimum == SETTINGS.answer_margin_ms + SETTINGS.min_service_ms == 50
     answers = {}
     for deadline_ms in [*range(1, 61), 80, 150, 300, 1000]:
+        sent = time.perf_counter()
         response = http.post("/classify", content=data, headers={"X-Deadline-Ms": str(deadline_ms)})
+        latency_ms = (time.perf_counter() - sent) * 1000.0  # covers the server's time from the first byte on
         body = response.json()
         answers[deadline_ms] = (response.status_code, body.get("degraded_reason", body.get("error")))
         if deadline_ms < minimum:
@@ -40,11 +42,10 @@ def test_every_deadline_from_1_to_60_ms_gets_the_documented_answer(server, http)
         assert response.status_code == 200, (deadline_ms, body)  # never a 429 on an idle server
         reason = body["degraded_reason"]
         assert reason in SHORT_DEADLINE_REASONS, (deadline_ms, body)
-        if reason == "deadline_exceeded":  # the decode ran until the share was spent: the share after margins
+        if reason == "deadline_exceeded":  # the decode ran until the share (after the margins) was spent
             lag_reserve = min(loop_lag_ms(server), deadline_ms - minimum)
             share_ms = deadline_ms - SETTINGS.answer_margin_ms - lag_reserve
-            timings = body["timings_ms"]
-            assert timings["before_handler"] + timings["total"] + UNTIMED_MS >= share_ms, (deadline_ms, body, lag_reserve)
+            assert latency_ms >= share_ms >= SETTINGS.min_service_ms, (deadline_ms, latency_ms, lag_reserve, body)
             assert body["labels"] == [] and body["needs_review"] is True
         elif body["model"] is not None:
             assert {label["index"] for label in body["labels"]} & PHOTOS["chelsea"], (deadline_ms, body)
