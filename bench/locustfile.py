@@ -6,10 +6,12 @@
     .venv/bin/locust -f bench/locustfile.py --host http://127.0.0.1:3000 --headless -u 16 -r 4 -t 60s \\
         --deadlines-ms 1000,200 --high-fraction 0.1 --csv out/rampart
 
-Each request sends one of ``bench.loadgen.load_bodies()`` (six JPEGs of the bundled scikit-image
+Each request sends the next of ``bench.loadgen.load_bodies()`` (six JPEGs of the bundled scikit-image
 and scikit-learn photos, made unique with ``loadgen.unique`` so the answer cache never answers),
-with ``X-Deadline-Ms`` drawn from ``--deadlines-ms`` and ``X-Priority: high`` for a
-``--high-fraction`` of them. Locust's table keeps the outcomes apart, one row per name:
+with the next ``X-Deadline-Ms`` of ``--deadlines-ms`` in turn; a user's requests go in rounds of one
+per deadline, and ``--high-fraction`` of the rounds are sent with ``X-Priority: high`` (spread evenly:
+with 0.5 every other round), so every deadline meets both priorities and a short run covers them all.
+Locust's table keeps the outcomes apart, one row per name:
 
 - ``/classify <priority> full``: a full answer (``degraded`` false);
 - ``/classify <priority> degraded``: a 200 the server marked degraded (the fallback, the cache or the
@@ -24,7 +26,7 @@ this file's own; locust lists them in its web UI and takes them on the command l
 
 from __future__ import annotations
 
-import random
+import math
 import sys
 from pathlib import Path
 
@@ -40,9 +42,9 @@ BODIES = load_bodies()
 @events.init_command_line_parser.add_listener
 def _options(parser) -> None:
     parser.add_argument("--deadlines-ms", type=str, default="1000",
-                        help="comma-separated X-Deadline-Ms values; each request draws one at random")
+                        help="comma-separated X-Deadline-Ms values, sent in turn")
     parser.add_argument("--high-fraction", type=float, default=0.0,
-                        help="share of requests sent with X-Priority: high, 0..1")
+                        help="share of requests sent with X-Priority: high, 0..1 (whole rounds of --deadlines-ms)")
     parser.add_argument("--top-k", type=int, default=5, help="labels per answer (query top_k), 1..20")
 
 
@@ -65,15 +67,21 @@ class RampartUser(HttpUser):
         self.deadlines = [float(value) for value in options.deadlines_ms.split(",")]
         self.high_fraction = options.high_fraction
         self.top_k = options.top_k
-        self.rng = random.Random()
+        self.sent = 0
+
+    def next_request(self) -> tuple[bytes, float, bool]:
+        """The next body, deadline (ms) and priority (True: high) of this user, in turn (module doc)."""
+        i, self.sent = self.sent, self.sent + 1
+        rounds = i // len(self.deadlines)  # whole rounds before this one
+        high = math.floor((rounds + 1) * self.high_fraction) > math.floor(rounds * self.high_fraction)
+        return unique(BODIES[i % len(BODIES)]), self.deadlines[i % len(self.deadlines)], high
 
     @task
     def classify(self) -> None:
-        high = self.rng.random() < self.high_fraction
-        headers = {"Content-Type": "application/octet-stream", "X-Deadline-Ms": f"{self.rng.choice(self.deadlines):g}",
-                   "X-Priority": "high" if high else "normal"}
+        data, deadline_ms, high = self.next_request()
         priority = "high" if high else "normal"
-        with self.client.post("/classify", data=unique(self.rng.choice(BODIES)), headers=headers,
+        headers = {"Content-Type": "application/octet-stream", "X-Deadline-Ms": f"{deadline_ms:g}", "X-Priority": priority}
+        with self.client.post("/classify", data=data, headers=headers,
                               params={"top_k": self.top_k}, name=f"/classify {priority}", catch_response=True) as response:
             try:
                 body = response.json()

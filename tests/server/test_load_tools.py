@@ -16,7 +16,7 @@ def test_locust_headless_reports_full_and_degraded_answers_apart_by_priority(ser
     # One user: an idle server, so nothing is shed (two at 100 ms deadlines can be: a request behind another
     # in the fallback's queue may be predicted late, and the primary has no share of 100 ms).
     command = [sys.executable, "-m", "locust", "-f", "bench/locustfile.py", "--headless", "-u", "1", "-r", "1",
-               "-t", "6s", "--stop-timeout", "5", "--host", server.url, "--csv", str(prefix), "--only-summary",
+               "-t", "8s", "--stop-timeout", "5", "--host", server.url, "--csv", str(prefix), "--only-summary",
                # 3 s: the primary answers (full); 100 ms leaves the primary no share (degraded, the fallback's)
                "--deadlines-ms", "3000,100", "--high-fraction", "0.5"]
     out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -24,13 +24,10 @@ def test_locust_headless_reports_full_and_degraded_answers_apart_by_priority(ser
     with open(f"{prefix}_stats.csv", newline="") as stats:
         rows = {row["Name"]: row for row in csv.DictReader(stats)}
     total = rows.pop("Aggregated")
-    assert int(total["Request Count"]) >= 8 and int(total["Failure Count"]) == 0, total
+    # Rounds of (3000, 100) ms, every other one high: four requests cover every row.
+    assert int(total["Request Count"]) >= 4 and int(total["Failure Count"]) == 0, (total, out.stderr[-3000:])
     names = set(rows)
-    assert names <= {f"/classify {priority} {kind}" for priority in ("high", "normal") for kind in ("full", "degraded")}
-    for kind in ("full", "degraded"):  # each outcome in a row of its own, for both priorities together
-        assert any(name.endswith(kind) for name in names), names
-    for priority in ("high", "normal"):
-        assert any(f" {priority} " in name for name in names), names
+    assert names == {f"/classify {priority} {kind}" for priority in ("high", "normal") for kind in ("full", "degraded")}
 
 
 def test_bench_loadgen_command_line_prints_a_json_summary(server):
