@@ -12,6 +12,7 @@ import asyncio
 import base64
 import io
 import json
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -105,6 +106,16 @@ def test_a_full_answer_has_the_primary_labels_timings_and_request_id(rig):
 def test_multipart_field_image_is_classified_like_a_raw_body(rig):
     response = rig.client.post("/classify", files={"image": ("cat.jpg", CAT, "image/jpeg")})
     assert response.status_code == 200 and response.json()["labels"][0]["index"] == 281
+
+
+def test_a_deadline_used_up_before_the_handler_is_a_429_whose_cause_is_the_deadline(rig):
+    """Accepted (above the minimum), but a load balancer's X-Request-Start shows it waited 0.5 s of its 100 ms."""
+    stamp = f"t={time.time() - 0.5:.3f}"
+    used_up = rig.client.post("/classify", content=CAT, headers={"X-Deadline-Ms": "100", "X-Request-Start": stamp})
+    assert error_of(used_up) == (429, "overloaded") and used_up.json()["error"]["cause"] == "deadline"
+    assert int(used_up.headers["retry-after"]) >= 1
+    fresh = rig.client.post("/classify", content=CAT, headers={"X-Deadline-Ms": "100"})
+    assert fresh.status_code == 200 and fresh.json()["degraded_reason"] == "primary_timeout"
 
 
 def test_top_k_may_come_as_a_multipart_field_as_bentoml_s_client_sends_it(rig):
