@@ -12,8 +12,9 @@ Routes:
   ``rampart.api.app.create_app``, made at import (``@bentoml.asgi_app`` needs it then) and
   given its classifier and lifecycle by ``Rampart.__init__`` (``rampart.api.app.attach``).
 - any other path or method: JSON 404/405 (``rampart.api.routing.JSONRouteErrors``).
-- ``POST /bentoml/classify``: ``/classify`` as a BentoML API, for ``bentoml.SyncHTTPClient``
-  and ``/docs`` (``rampart.api.bentoml_api``).
+- ``POST /bentoml/classify`` and ``POST /bentoml/classify_batch``: ``/classify`` and
+  ``/classify_batch`` as BentoML APIs, for ``bentoml.SyncHTTPClient`` and BentoML's OpenAPI
+  page (Swagger UI at ``/``, ``/docs.json``; ``/docs`` redirects to it) (``rampart.api.bentoml_api``).
 
 Lifecycle (``rampart.api.lifecycle``): both routes answer 503 ``not_ready`` until both
 runners have warmed up, and 503 ``shutting_down`` once SIGTERM has arrived; the
@@ -42,9 +43,11 @@ import psutil
 from starlette.requests import Request
 
 from rampart.api import oip
-from rampart.api.app import attach, classify_endpoint, create_app, refuse_before_admission, route_error_answered, state_of
+from rampart.api.app import (attach, classify_batch_endpoint, classify_endpoint, create_app, refuse_before_admission,
+                             route_error_answered, state_of)
 from rampart.api.arrival import bound_inflight, stamp_arrivals
-from rampart.api.bentoml_api import CLASSIFY_API_ROUTE, CLASSIFY_DOC, ClassifyAnswer, ImageUpload, documented
+from rampart.api.bentoml_api import (CLASSIFY_API_ROUTE, CLASSIFY_BATCH_API_ROUTE, CLASSIFY_BATCH_DOC, CLASSIFY_DOC,
+                                    BatchAnswer, BatchUpload, ClassifyAnswer, ImageUpload, documented)
 from rampart.api.bentoml_fixes import (bound_endpoint_labels, cache_io_media_types, cancel_request_timers,
                                       keep_runner_sockets_until_stopped)
 from rampart.api.headlimit import limit_request_heads
@@ -119,7 +122,8 @@ http_app = create_app(settings)
 
 
 #: Routes whose requests go through admission (``rampart.api.arrival.bound_inflight``, tracing off by default).
-ADMITTED_ROUTES = ("/classify", "/classify_batch", f"/v2/models/{oip.MODEL_NAME}/infer", CLASSIFY_API_ROUTE)
+ADMITTED_ROUTES = ("/classify", "/classify_batch", f"/v2/models/{oip.MODEL_NAME}/infer", CLASSIFY_API_ROUTE,
+                   CLASSIFY_BATCH_API_ROUTE)
 
 
 def accept_backlog() -> int:
@@ -188,9 +192,17 @@ class Rampart:
 
     @bentoml.api(route=CLASSIFY_API_ROUTE, input_spec=ImageUpload)
     @documented(CLASSIFY_DOC)
-    async def classify(self, image: Request) -> ClassifyAnswer:
-        # ``image`` is the whole Starlette request (``ImageUpload``); /classify's own route reads it.
+    async def classify(self, image: Request, top_k: int = 5) -> ClassifyAnswer:
+        # ``image`` is the whole Starlette request (``ImageUpload``); /classify's own route reads it,
+        # ``top_k`` included (a multipart field or the query): the default BentoML passes here is unused.
         return await classify_endpoint(http_app)(image)
+
+    @bentoml.api(route=CLASSIFY_BATCH_API_ROUTE, input_spec=BatchUpload)
+    @documented(CLASSIFY_BATCH_DOC)
+    async def classify_batch(self, images: Request, top_k: int = 5) -> BatchAnswer:
+        # ``images`` is the whole Starlette request (``BatchUpload``); /classify_batch's own route reads it,
+        # ``top_k`` included, as for ``classify``.
+        return await classify_batch_endpoint(http_app)(images)
 
     def loop_lag_ms(self) -> float:
         """The event loop's recent lag (ms), kept back from each new deadline; starts the monitor."""

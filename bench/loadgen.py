@@ -20,6 +20,9 @@
 API) to a model's ``/v2/models/<name>/infer`` URL instead: ``oip_request`` builds the
 body, ``oip_answer`` reads the answer into the ``/classify`` shape the samples use.
 
+``python -m bench.loadgen`` runs one of them from the command line (``--help``: every option
+and its default) and prints the ``summarize`` of its samples as JSON (docs/clients.md).
+
 ``load_bodies()`` gives JPEG bodies of real photos (scikit-image, scikit-learn) in
 all three aspect classes (square, landscape, portrait), at most 480 px on the
 long side so that client-side CPU stays small next to the server's.
@@ -33,6 +36,7 @@ a client that becomes the bottleneck is seen, not mistaken for the server.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import concurrent.futures
 import contextlib
@@ -41,6 +45,7 @@ import io
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 
@@ -52,7 +57,7 @@ from rampart.api.oip import (CLASS_INDICES, DEGRADED_REASON, HEADER_LENGTH, IMAG
                              TOP_K_OUTPUTS, serialize_bytes)
 
 __all__ = ["Sample", "Round", "load_bodies", "unique", "oip_request", "oip_answer", "closed_loop", "closed_loop_round",
-           "sweep", "open_loop", "burst", "summarize", "as_dicts", "run_sync", "no_gc_pauses"]
+           "sweep", "open_loop", "burst", "summarize", "as_dicts", "run_sync", "no_gc_pauses", "parser", "main"]
 
 
 @dataclass(frozen=True)
@@ -457,3 +462,68 @@ def summarize(samples: list[Sample], duration_s: float, slack_ms: float = DEADLI
 def as_dicts(samples: list[Sample]) -> list[dict]:
     """Samples as plain dicts, for JSON."""
     return [asdict(s) for s in samples]
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m bench.loadgen``: every option with its help and default."""
+    cli = argparse.ArgumentParser(
+        prog="python -m bench.loadgen", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Load a running Rampart (or any /classify-compatible server) with real photos and print "
+                    "a JSON summary: throughput, goodput, P50/P90/P99, full, degraded, shed and late counts.",
+        epilog="closed: --connections senders, each sending its next request when the last is answered "
+               f"(after a 429 it waits {RETRY_AFTER_S:g} s); open: Poisson arrivals at --rate per second; "
+               "burst: --count requests at once.")
+    cli.add_argument("--url", default="http://127.0.0.1:3000", help="the server's base URL")
+    cli.add_argument("--mode", choices=("closed", "open", "burst"), default="closed", help="how load arrives")
+    cli.add_argument("--connections", type=int, default=8, help="closed: concurrent senders")
+    cli.add_argument("--rate", type=float, default=20.0, help="open: mean arrivals per second")
+    cli.add_argument("--count", type=int, default=32, help="burst: requests sent at once")
+    cli.add_argument("--duration-s", type=float, default=10.0, help="closed and open: seconds of load")
+    cli.add_argument("--deadline-ms", type=float, default=1000.0, help="X-Deadline-Ms of every request")
+    cli.add_argument("--high-fraction", type=float, default=0.0,
+                     help="open: share sent with X-Priority: high, 0..1 (burst: every 1/F-th; closed: none)")
+    cli.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp", help="closed: the HTTP client library")
+    cli.add_argument("--form-field", default=None,
+                     help="send each image as this multipart field instead of a raw body (closed and open)")
+    cli.add_argument("--oip", action="store_true",
+                     help="send the Open Inference Protocol way to /v2/models/rampart/infer (closed and open)")
+    cli.add_argument("--seed", type=int, default=0, help="open: the arrivals' random seed")
+    cli.add_argument("--slack-ms", type=float, default=DEADLINE_SLACK_MS,
+                     help="an answer later than its deadline plus this counts as late")
+    cli.add_argument("--samples", default=None, help="also write every sample as JSON to this file")
+    return cli
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``python -m bench.loadgen`` with ``argv`` (default ``sys.argv[1:]``); prints the JSON summary, returns 0."""
+    args = parser().parse_args(argv)
+    from rampart.api.oip import MODEL_NAME
+
+    base = args.url.rstrip("/")
+    url = f"{base}/v2/models/{MODEL_NAME}/infer" if args.oip else f"{base}/classify"
+    bodies = load_bodies()
+    started = time.perf_counter()
+    if args.mode == "closed" and args.client == "httpx":
+        samples = run_sync(closed_loop_round(url, bodies, args.connections, args.duration_s, args.deadline_ms,
+                                             "httpx")).samples
+    elif args.mode == "closed":
+        samples = run_sync(closed_loop(url, bodies, args.connections, args.duration_s, args.deadline_ms,
+                                       args.form_field, args.oip))
+    elif args.mode == "open":
+        samples = run_sync(open_loop(url, bodies, args.rate, args.duration_s, args.deadline_ms, args.high_fraction,
+                                     args.seed, args.form_field, args.oip))
+    else:
+        high_every = round(1 / args.high_fraction) if args.high_fraction > 0 else 0
+        samples = run_sync(burst(url, bodies, args.count, args.deadline_ms, high_every))
+    duration_s = args.duration_s if args.mode != "burst" else time.perf_counter() - started
+    summary = {"mode": args.mode, "url": url, **summarize(samples, duration_s, args.slack_ms)}
+    if args.samples:
+        with open(args.samples, "w") as out:
+            json.dump(as_dicts(samples), out)
+    json.dump(summary, sys.stdout, indent=2)
+    print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -98,6 +98,12 @@ class Settings(BaseModel):
     fallback_reserve_ms: int = Field(250, ge=0)
     # The pipeline stops this long before the client's deadline, leaving time to send the answer.
     answer_margin_ms: int = Field(20, ge=0)
+    # The least time an idle server needs, after the answer margin, to decode one photo and have the
+    # fallback classify it: measured 25 ms on the 2-core CI host (decode 5 ms, fallback call 20 ms:
+    # 5 transport, 15 inference), 2026-12-01. A deadline below min_deadline_ms = answer_margin_ms +
+    # min_service_ms (50 ms by default) is refused with 422 deadline_too_short, and the loop-lag
+    # reserve never cuts an accepted deadline's share below min_service_ms (docs/clients.md, "Deadlines").
+    min_service_ms: int = Field(30, ge=1)
 
     # Adaptive batching (BentoML), per model. BentoML's dispatcher cancels (503) a request
     # it predicts will exceed max_latency_ms; Rampart's own deadlines do the shedding, so
@@ -216,6 +222,22 @@ class Settings(BaseModel):
         if self.api_workers > smallest:
             raise ValueError(f"api_workers={self.api_workers} exceeds the smaller max_batch_size ({smallest}): "
                              "the workers' admission gates would together hold more than the runner's batches")
+        return self
+
+    @property
+    def min_deadline_ms(self) -> int:
+        """The shortest ``X-Deadline-Ms`` served, ms: ``answer_margin_ms`` + ``min_service_ms`` (50 by default).
+
+        Below it the answer is 422 ``deadline_too_short``; from it on an idle server answers 200
+        (``rampart.api.http.parse_deadline``).
+        """
+        return self.answer_margin_ms + self.min_service_ms
+
+    @model_validator(mode="after")
+    def _min_deadline_below_the_default(self) -> "Settings":
+        if self.min_deadline_ms > self.default_deadline_ms:
+            raise ValueError(f"min_deadline_ms (answer_margin_ms + min_service_ms = {self.min_deadline_ms}) exceeds "
+                             f"default_deadline_ms={self.default_deadline_ms}")
         return self
 
     @property

@@ -23,6 +23,7 @@
     │   ├── TooManyParts              413 too_many_parts
     │   ├── PartHeadersTooLarge       413 part_headers_too_large
     │   ├── InvalidParameter          422 invalid_parameter
+    │   ├── DeadlineTooShort          422 deadline_too_short
     │   └── HeadersTooLarge           431 headers_too_large
     ├── Overloaded                    429 overloaded (with Retry-After)
     ├── Unavailable                   503, with Retry-After: this server cannot serve now
@@ -60,6 +61,7 @@ __all__ = [
     "DecodeCostTooHigh",
     "DecodeTimeout",
     "InvalidParameter",
+    "DeadlineTooShort",
     "HeadersTooLarge",
     "Overloaded",
     "Unavailable",
@@ -207,6 +209,12 @@ class InvalidParameter(RequestError):
     code, status = "invalid_parameter", 422
 
 
+class DeadlineTooShort(RequestError):
+    """``X-Deadline-Ms`` is below ``min_deadline_ms``: too short to classify an image even on an idle server."""
+
+    code, status = "deadline_too_short", 422
+
+
 class HeadersTooLarge(RequestError):
     """The request line and headers together are longer than ``rampart.api.headlimit.MAX_HEAD_BYTES``."""
 
@@ -214,13 +222,29 @@ class HeadersTooLarge(RequestError):
 
 
 class Overloaded(RampartError):
-    """No capacity now; retry after ``retry_after_s`` seconds."""
+    """No capacity now; retry after ``retry_after_s`` seconds.
+
+    ``cause`` (in the body as ``error.cause``) says why: ``capacity`` (no model has room) or
+    ``deadline`` (the request's deadline, though above ``min_deadline_ms``, was used up before
+    work on it could start: by waiting to be read or by the event loop's lag). A client counts
+    only ``capacity`` as the server's overload (``rampart_client.backoff``).
+    """
 
     code, status = "overloaded", 429
+    CAUSES: ClassVar[tuple[str, ...]] = ("capacity", "deadline")
 
-    def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
+    def __init__(self, message: str, retry_after_s: float = 1.0, cause: str = "capacity") -> None:
+        if cause not in self.CAUSES:
+            raise ValueError(f"cause must be one of {self.CAUSES}, got {cause!r}")
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.cause = cause
+
+    def to_body(self, request_id: str) -> dict:
+        """``{"error": {"code", "message", "request_id", "cause"}}``."""
+        body = super().to_body(request_id)
+        body["error"]["cause"] = self.cause
+        return body
 
 
 class Unavailable(RampartError):

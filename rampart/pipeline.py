@@ -207,15 +207,15 @@ class Classifier:
 
         Called before the body is read, so shedding costs next to nothing and a slow
         upload holds no place in any queue; ``admit`` takes the place once the body is
-        in (``ModelLane.has_room`` and ``reserve`` decide alike). A deadline shorter
-        than the shortest possible answer is refused the same way, with a message
-        that says so.
+        in (``ModelLane.has_room`` and ``reserve`` decide alike). A deadline already
+        used up (by the wait before the handler or the loop lag kept back with the
+        margin) is refused the same way, with ``cause`` ``deadline``.
         """
         if any(lane.has_room(high, deadline) for lane in self.order):
             return
         if deadline.remaining_s() <= 0:
-            raise Overloaded(f"the deadline ({deadline.share_ms():.0f} ms after margins) leaves no time to answer",
-                             self.retry_after_s())
+            raise Overloaded(f"the deadline ({deadline.share_ms():.0f} ms after margins) was used up before work on "
+                             "the request could start", self.retry_after_s(), cause="deadline")
         raise self._at_capacity()
 
     def admit(self, deadline: Deadline, high: bool) -> Admission:

@@ -11,7 +11,13 @@ keeps the client's share of that waste bounded, with three rules:
   counts once its outcome is known, so requests still in flight do not look like refusals
   to a burst of concurrent calls. A new attempt is refused locally, raising ``Throttled``, with probability
   ``max(0, (requests - K * accepts) / (requests + 1))``, K = 2; so in a sustained
-  overload the server receives about K times what it accepts.
+  overload the server receives about K times what it accepts. The throttle starts only
+  once the window holds ``min_requests`` (20) requests: a ratio of three requests says
+  nothing about a backend, and a fresh client that met one refusal must not refuse its
+  own next calls.
+- **Only overload counts as a refusal**: a 429 whose ``cause`` is ``deadline`` (the request's
+  own deadline was used up before the server could start on it, ``Overloaded.cause``)
+  and every other 4xx are answers about the request, counted as accepts and not retried.
 - **Retry budget**: at most ``max_attempts`` (3) attempts per call, and retries at
   most ``retry_budget_ratio`` (10%) of the calls in the window (the Finagle/gRPC
   retry-budget rule), so retries can never multiply the load.
@@ -66,6 +72,7 @@ class BackoffPolicy:
     - ``base_delay_ms`` / ``max_delay_ms``: the jittered exponential delay before a retry that
       has no ``Retry-After`` (25 ms doubling, full jitter, capped at 1 s).
     - ``throttle``: turns the local rejection off (the counters still count).
+    - ``min_requests``: the throttle refuses nothing while the window holds fewer requests (20).
     """
 
     k: float = 2.0
@@ -77,6 +84,7 @@ class BackoffPolicy:
     base_delay_ms: float = 25.0
     max_delay_ms: float = 1000.0
     throttle: bool = True
+    min_requests: int = 20
 
     @classmethod
     def disabled(cls) -> "BackoffPolicy":
@@ -88,7 +96,7 @@ class BackoffPolicy:
             "k": self.k >= 1.0, "window_s": self.window_s > 0, "max_attempts": self.max_attempts >= 1,
             "retry_budget_ratio": self.retry_budget_ratio >= 0, "default_deadline_ms": self.default_deadline_ms > 0,
             "min_remaining_ms": self.min_remaining_ms >= 0, "base_delay_ms": self.base_delay_ms >= 0,
-            "max_delay_ms": self.max_delay_ms >= self.base_delay_ms,
+            "max_delay_ms": self.max_delay_ms >= self.base_delay_ms, "min_requests": self.min_requests >= 0,
         }
         bad = [f"{name}={getattr(self, name)!r}" for name, ok in checks.items() if not ok]
         if bad:
@@ -143,9 +151,12 @@ class Backoff:
         self._totals.update(counts)
 
     def reject_probability(self) -> float:
-        """``max(0, (requests - K * accepts) / (requests + 1))`` over the window, in 0..1."""
+        """``max(0, (requests - K * accepts) / (requests + 1))`` over the window, in 0..1; 0 while the
+        window holds fewer than ``min_requests`` requests."""
         with self._lock:
             window = self._window.totals(self.clock())
+        if window["requests"] < self.policy.min_requests:
+            return 0.0
         return max(0.0, (window["requests"] - self.policy.k * window["accepts"]) / (window["requests"] + 1))
 
     def start(self, deadline_ms: float | None) -> "Call":
@@ -258,11 +269,11 @@ class Call:
         b, policy = self.backoff, self.backoff.policy
         if isinstance(error, Throttled):
             return None  # refused locally (already counted): the throttle's answer stands for this call
-        retryable = isinstance(error, Overloaded) or (
+        retryable = (isinstance(error, Overloaded) and error.cause != "deadline") or (
             isinstance(error, ServiceError) and error.status in RETRYABLE_SERVICE_STATUSES)
         with b._lock:
             if not retryable:
-                b._count(requests=1, accepts=1)  # the server took it and answered about the request itself
+                b._count(requests=1, accepts=1)  # the server answered about the request itself (its deadline too)
                 return None
             b._count(requests=1)
             if self.attempts >= policy.max_attempts:

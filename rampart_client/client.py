@@ -77,14 +77,16 @@ def _retry_after_s(headers: httpx.Headers | dict | None, default: float | None) 
 
 
 def error_from_body(status: int | None, body: dict, headers: httpx.Headers | None = None) -> RampartClientError:
-    """The client error for an error body ``{"error": {"code", "message", "request_id"}}``."""
+    """The client error for an error body ``{"error": {"code", "message", "request_id"}}`` (a 429's
+    also carries ``cause``: ``Overloaded.cause``)."""
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):
         return ServiceError(f"HTTP {status}: {str(body)[:200]}", status=status)
     fields = {"status": status, "code": str(error.get("code", "")), "request_id": str(error.get("request_id", ""))}
     message = str(error.get("message", ""))
     if status == 429:
-        return Overloaded(message, retry_after=_retry_after_s(headers, 1.0), **fields)
+        cause = str(error.get("cause") or "capacity")
+        return Overloaded(message, retry_after=_retry_after_s(headers, 1.0), cause=cause, **fields)
     if status is not None and 400 <= status < 500:
         return ImageRejected(message, **fields)
     return ServiceError(message, retry_after=_retry_after_s(headers, None), **fields)  # a draining replica's 503

@@ -30,11 +30,18 @@ class ImageRejected(RampartClientError):
 
 
 class Overloaded(RampartClientError):
-    """The server answered 429; ``retry_after`` is the Retry-After header in seconds."""
+    """The server answered 429; ``retry_after`` is the Retry-After header in seconds.
 
-    def __init__(self, message: str, *, retry_after: float, **kwargs) -> None:
+    ``cause`` is the body's ``error.cause``: ``capacity`` (no model has room: overload) or
+    ``deadline`` (the request's own deadline was used up before the server could start on it:
+    retrying with the same deadline fails again, and it is not a sign of overload). Servers
+    older than the field send none: ``capacity``.
+    """
+
+    def __init__(self, message: str, *, retry_after: float, cause: str = "capacity", **kwargs) -> None:
         super().__init__(message, **kwargs)
         self.retry_after = retry_after
+        self.cause = cause
 
 
 class Throttled(Overloaded):

@@ -5,6 +5,7 @@ Routes:
 - ``POST /classify``: a raw image body or multipart field ``image``.
 - ``POST /classify_batch``: multipart, field ``images`` repeated.
 - ``GET /stats``: admission queues, throughput, breaker state, runner counters.
+- ``GET /docs``: a redirect to BentoML's OpenAPI page (Swagger UI at ``/``, ``/docs.json``).
 - ``/v2/...``: the Open Inference Protocol (KServe v2 / Triton HTTP), ``rampart.api.oip``.
 
 Routes read their state (classifier, lifecycle, loop lag, runner counters) from
@@ -32,7 +33,7 @@ from typing import Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
@@ -54,6 +55,8 @@ __all__ = [
     "attach",
     "state_of",
     "classify_endpoint",
+    "classify_batch_endpoint",
+    "docs",
     "read_images",
     "classify",
     "classify_batch",
@@ -123,14 +126,17 @@ def create_app(settings: Settings, *, classifier: Classifier | None = None, life
     """
     state = AppState(settings)
     classify_route = _bind(_admitted(classify), state)
+    batch_route = _bind(_admitted(classify_batch), state)
     app = Starlette(routes=[
         Route("/classify", classify_route, methods=["POST"]),
-        Route("/classify_batch", _bind(_admitted(classify_batch), state), methods=["POST"]),
+        Route("/classify_batch", batch_route, methods=["POST"]),
         Route("/stats", _bind(stats, state), methods=["GET"]),
+        Route("/docs", docs, methods=["GET"]),
         *oip.routes(settings, state, finished),
     ])
     app.state.rampart = state
     app.state.classify = classify_route
+    app.state.classify_batch = batch_route
     attach(app, classifier=classifier, lifecycle=lifecycle, loop_lag_ms=loop_lag_ms, runner_stats=runner_stats)
     return app
 
@@ -157,6 +163,16 @@ def attach(app: Starlette, *, classifier: Classifier | None = None, lifecycle: L
 def classify_endpoint(app: Starlette) -> Callable[[Request], Awaitable[Response]]:
     """The coroutine behind ``POST /classify`` (admission included), for another route to call with its request."""
     return app.state.classify
+
+
+def classify_batch_endpoint(app: Starlette) -> Callable[[Request], Awaitable[Response]]:
+    """The coroutine behind ``POST /classify_batch`` (admission included), for another route to call with its request."""
+    return app.state.classify_batch
+
+
+async def docs(request: Request) -> Response:
+    """``GET /docs``: a redirect to BentoML's OpenAPI page, its Swagger UI at ``/`` (the document is ``/docs.json``)."""
+    return RedirectResponse("/", status_code=307)
 
 
 def _bind(handler: Handler, state: AppState) -> Callable[[Request], Awaitable[Response]]:
@@ -193,7 +209,9 @@ async def read_images(call: Call, state: AppState, field: str, max_files: int,
     refuses a non-multipart body unless ``raw_body`` (``InvalidParameter``), sheds with
     ``Overloaded`` (429) before the body is read (``Classifier.check_capacity``), then reads
     ``(filename, bytes)`` of 1..``max_files`` parts named ``field``, or the raw body as one
-    image named ``""`` (errors: ``rampart.api.http.read_multipart`` / ``read_body``).
+    image named ``""`` (errors: ``rampart.api.http.read_multipart`` / ``read_body``). A
+    multipart body may carry ``top_k`` as a field instead of the query (BentoML's client sends
+    it so); both at once is ``InvalidParameter``.
     """
     request, settings = call.request, state.settings
     call.top_k = http.parse_top_k(request)
@@ -204,7 +222,13 @@ async def read_images(call: Call, state: AppState, field: str, max_files: int,
         raise InvalidParameter(f"send multipart/form-data with one or more parts named {field!r}")
     state.classifier.check_capacity(call.deadline, call.high)  # sheds (429) before the body is read
     if multipart:
-        return await http.read_multipart(request, field, max_files, settings.max_body_bytes, call.deadline)
+        texts: dict[str, str | None] = {"top_k": None}
+        files = await http.read_multipart(request, field, max_files, settings.max_body_bytes, call.deadline, texts)
+        if texts["top_k"] is not None:
+            if "top_k" in request.query_params:
+                raise InvalidParameter("top_k is given both as a query parameter and as a multipart field")
+            call.top_k = http.top_k_of(texts["top_k"])
+        return files
     return [("", await http.read_body(request, settings.max_body_bytes, call.deadline))]
 
 

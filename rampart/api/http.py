@@ -22,6 +22,7 @@ from rampart.overload.deadline import Deadline, run_within
 from rampart.errors import (
     BodyTimeout,
     ClientDisconnected,
+    DeadlineTooShort,
     EmptyBody,
     InvalidParameter,
     MethodNotAllowed,
@@ -37,6 +38,7 @@ from rampart.results import MAX_TOP_K
 __all__ = [
     "request_id_of",
     "parse_top_k",
+    "top_k_of",
     "parse_deadline",
     "parse_priority",
     "read_body",
@@ -51,6 +53,8 @@ __all__ = [
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
 #: Parts a multipart body may carry besides its image parts (they are skipped).
 MAX_OTHER_PARTS = 8
+#: Bytes a multipart text field read by name (``read_multipart``'s ``texts``, e.g. ``top_k``) may carry.
+MAX_TEXT_FIELD_BYTES = 64
 #: Header lines per multipart part and bytes per line: python-multipart's defaults
 #: (8 and 4096 + 128 in 0.0.34), ample for browsers, curl and HTTP clients.
 MAX_PART_HEADERS = 8
@@ -71,7 +75,11 @@ def request_id_of(request: Request) -> str:
 
 def parse_top_k(request: Request) -> int:
     """Query ``top_k``: an integer in 1..20, default 5; else ``InvalidParameter``."""
-    raw = request.query_params.get("top_k", "5")
+    return top_k_of(request.query_params.get("top_k", "5"))
+
+
+def top_k_of(raw: str) -> int:
+    """``raw`` (a query parameter or a multipart field) as ``top_k``: an integer in 1..20; else ``InvalidParameter``."""
     try:
         top_k = int(raw)
     except ValueError:
@@ -92,7 +100,8 @@ def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.
     The ``Deadline`` is sliced by ``Deadline.sliced``: its answer margin is
     ``answer_margin_ms`` + ``loop_lag_ms`` (the event loop's recent lag), so the
     answer is sent by the client's deadline. Raises ``InvalidParameter`` (422) for a
-    value that is not a number, not positive and finite, or not above ``answer_margin_ms``.
+    value that is not a number or not positive and finite, and ``DeadlineTooShort`` (422
+    ``deadline_too_short``) for one below ``settings.min_deadline_ms``.
     """
     if arrival is None:
         arrival = arrival_of(request.scope, request.headers.get("x-request-start"), settings.max_deadline_ms)
@@ -105,9 +114,11 @@ def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.
         raise InvalidParameter(f"X-Deadline-Ms must be a number of milliseconds, got {raw[:32]!r}") from None
     if not budget > 0 or budget != budget or budget == float("inf"):
         raise InvalidParameter(f"X-Deadline-Ms must be positive and finite, got {raw[:32]!r}")
-    if budget <= settings.answer_margin_ms:
-        raise InvalidParameter(
-            f"X-Deadline-Ms={raw[:32]} leaves no time to answer; it must exceed {settings.answer_margin_ms} ms"
+    if budget < settings.min_deadline_ms:
+        raise DeadlineTooShort(
+            f"X-Deadline-Ms={raw[:32]} is below the minimum deadline of {settings.min_deadline_ms} ms (answer_margin_ms "
+            f"{settings.answer_margin_ms} + min_service_ms {settings.min_service_ms}): too short to classify an image "
+            "even on an idle server"
         )
     return Deadline.sliced(min(budget, settings.max_deadline_ms), arrival, settings, loop_lag_ms)
 
@@ -164,8 +175,12 @@ def is_multipart(request: Request) -> bool:
 
 
 async def read_multipart(request: Request, field: str, max_files: int, part_limit: int,
-                         deadline: Deadline) -> list[tuple[str, bytes]]:
+                         deadline: Deadline, texts: dict[str, str | None] | None = None) -> list[tuple[str, bytes]]:
     """``(filename, bytes)`` of every part named ``field`` (1..``max_files`` of them), in order.
+
+    ``texts``: the names of text fields wanted besides (its keys, values None); each such part's value
+    (UTF-8, at most ``MAX_TEXT_FIELD_BYTES``, else ``InvalidParameter``) is stored under its
+    name, the last one winning. BentoML's client sends ``top_k`` so (``rampart.api.bentoml_api``).
 
     The body is parsed as it streams in (python-multipart, the parser Starlette
     uses), so it is never held twice, and every dimension is bounded before work is
@@ -189,7 +204,7 @@ async def read_multipart(request: Request, field: str, max_files: int, part_limi
     boundary = options.get(b"boundary")
     if not boundary:
         raise InvalidParameter("multipart/form-data needs a boundary parameter")
-    parts = MultipartParts(field, max_files, part_limit)
+    parts = MultipartParts(field, max_files, part_limit, texts)
     try:
         parser = MultipartParser(boundary, callbacks=parts.callbacks(), max_header_count=MAX_PART_HEADERS,
                                  max_header_size=MAX_PART_HEADER_LINE_BYTES)
@@ -232,8 +247,10 @@ class MultipartParts:
     tiny pieces costs no object per piece.
     """
 
-    def __init__(self, field: str, max_files: int, part_limit: int) -> None:
+    def __init__(self, field: str, max_files: int, part_limit: int, texts: dict[str, str | None] | None = None) -> None:
         self.field, self.max_files, self.part_limit = field, max_files, part_limit
+        self.texts = {} if texts is None else texts  # wanted text fields: name -> value, filled in place
+        self.text_name: str | None = None  # the current part's name, when it is a wanted text field
         self.max_parts = max_files + MAX_OTHER_PARTS
         self.files: list[tuple[str, bytes]] = []
         self.parts = 0
@@ -267,7 +284,11 @@ class MultipartParts:
 
     def headers_finished(self) -> None:
         _, params = parse_options_header(dict(self.headers).get(b"content-disposition", b""))
-        if params.get(b"name", b"").decode("utf-8", "replace") != self.field:
+        name = params.get(b"name", b"").decode("utf-8", "replace")
+        self.text_name = None
+        if name != self.field:
+            if name in self.texts:
+                self.text_name, self.data = name, bytearray()
             return
         if len(self.files) == self.max_files:
             hint = "; use /classify_batch for several images" if self.max_files == 1 else ""
@@ -279,13 +300,17 @@ class MultipartParts:
         if self.data is None:
             return
         self.data.extend(memoryview(data)[start:end])
+        if self.text_name is not None and len(self.data) > MAX_TEXT_FIELD_BYTES:
+            raise InvalidParameter(f"the multipart field {self.text_name!r} is over {MAX_TEXT_FIELD_BYTES} bytes")
         if len(self.data) > self.part_limit:
             raise PayloadTooLarge(f"the part named {self.field!r} is over the limit of {self.part_limit} bytes")
 
     def part_end(self) -> None:
-        if self.data is not None:
+        if self.data is not None and self.text_name is not None:
+            self.texts[self.text_name] = bytes(self.data).decode("utf-8", "replace")
+        elif self.data is not None:
             self.files.append((self.filename, bytes(self.data)))
-            self.data = None
+        self.data, self.text_name = None, None
 
 
 def error_response(error: RampartError, request_id: str) -> JSONResponse:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 
@@ -66,3 +67,21 @@ def test_cli_prints_top_labels(server, tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "espresso" in out.stdout and "rampart-primary" in out.stdout
+
+
+def test_cli_prints_json_with_the_answer_and_each_failure_in_place(server, tmp_path):
+    path = tmp_path / "coffee.jpg"
+    path.write_bytes(encode(photo("coffee")))
+    junk = tmp_path / "junk.jpg"
+    junk.write_bytes(b"\x00\x01 not an image")
+    out = subprocess.run(
+        [sys.executable, "-m", "rampart_client", "classify", str(path), str(junk), "--url", server.url, "--top-k", "2",
+         "--deadline-ms", "30000", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 1, out.stderr  # one image failed
+    answered, refused = json.loads(out.stdout)
+    assert answered["image"] == str(path) and len(answered["prediction"]["labels"]) == 2
+    assert {label["index"] for label in answered["prediction"]["labels"]} & PHOTOS["coffee"]
+    assert Prediction.model_validate(answered["prediction"]).model.name == "rampart-primary"
+    assert refused == {"image": str(junk), "error": {"type": "ImageRejected", "status": 415,
+                                                     "code": "unsupported_format", "message": refused["error"]["message"]}}

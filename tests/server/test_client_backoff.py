@@ -49,7 +49,8 @@ class Arrival:
 
 @dataclass
 class SheddingServer:
-    """A real HTTP server whose answer to each request is ``decide(arrival) -> (status, retry_after)``."""
+    """A real HTTP server whose answer to each request is ``decide(arrival) -> (status, retry_after[, cause])``
+    (``cause``: a 429's ``error.cause``, ``capacity`` when left out)."""
 
     decide: object
     arrivals: list[Arrival] = field(default_factory=list)
@@ -72,11 +73,13 @@ class SheddingServer:
                 header = self.headers.get("X-Deadline-Ms")
                 arrival = Arrival(time.monotonic(), self.headers.get("X-Request-Id"), float(header) if header else None)
                 with owner.lock:
-                    status, retry_after = owner.decide(arrival)
+                    status, retry_after, *cause = owner.decide(arrival)  # a 429's cause: capacity unless given
                     arrival.status = status
                     owner.arrivals.append(arrival)
                 body = PREDICTION if status == 200 else {"error": {"code": "overloaded" if status == 429 else
                                                                    "unavailable", "message": "injected", "request_id": ""}}
+                if status == 429:
+                    body["error"]["cause"] = cause[0] if cause else "capacity"
                 data = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -145,7 +148,8 @@ def token_bucket(rate_per_s: float, burst: float, retry_after: float = 1.0):
 
 def test_reject_probability_is_the_sre_formula_over_a_sliding_window():
     now = [0.0]
-    backoff = Backoff(BackoffPolicy(window_s=10, throttle=False), clock=lambda: now[0])  # counts, never refuses
+    # Counts, never refuses; the formula applies from min_requests answered requests on.
+    backoff = Backoff(BackoffPolicy(window_s=10, throttle=False, min_requests=10), clock=lambda: now[0])
     in_flight = [backoff.start(1000) for _ in range(10)]
     for call in in_flight:
         call.begin_attempt()
@@ -156,6 +160,10 @@ def test_reject_probability_is_the_sre_formula_over_a_sliding_window():
         else:
             call.failed(Overloaded("full", retry_after=1.0, status=429))
     assert backoff.reject_probability() == pytest.approx((10 - 2 * 2) / (10 + 1))
+    fewer = Backoff(BackoffPolicy(window_s=10, throttle=False, min_requests=11), clock=lambda: now[0])
+    for _ in range(10):
+        fewer.start(1000).failed(Overloaded("full", retry_after=1.0, status=429))
+    assert fewer.reject_probability() == 0.0  # 10 refusals of 10, but fewer than min_requests
     now[0] = 11.5  # everything left the window
     assert backoff.reject_probability() == 0.0
     with pytest.raises(ValueError, match="max_attempts=0"):
@@ -301,3 +309,48 @@ def test_the_sdk_installs_as_a_package_in_a_fresh_venv(tmp_path, server):
            f"sys.exit(main(['classify', {str(image)!r}, '--url', {server.url!r}, '--top-k', '3']))")
     out = subprocess.run([str(python), "-c", cli], capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
     assert out.returncode == 0 and "espresso" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_fresh_client_does_not_throttle_itself_after_one_refusal(serve):
+    """The throttle starts once the window holds ``min_requests``: one 429 among a client's first calls
+    refuses none of its next ones (without the minimum: p = 0.50, 0.67, 0.75 for the next three)."""
+    answers = iter([(429, 0.0)])
+    server = serve(lambda arrival: next(answers, (200, None)))
+    one_attempt = BackoffPolicy(max_attempts=1)  # throttle on, no retry: each call is one attempt
+    with Client(server.url, timeout=5, backoff=one_attempt) as client:
+        with pytest.raises(Overloaded) as first:
+            client.classify(IMAGE, deadline_ms=1000)
+        assert first.value.cause == "capacity" and not isinstance(first.value, Throttled)
+        for _ in range(3):
+            assert client.classify(IMAGE, deadline_ms=1000).top.label == "espresso"
+        stats = client.backoff_stats()
+    assert stats["throttled"] == 0 and server.count() == 4, stats
+
+    # Past the minimum the formula applies: min_requests refusals in a row, then the client refuses locally.
+    refusing = serve(lambda arrival: (429, 0.0))
+    policy = BackoffPolicy(max_attempts=1)
+    with Client(refusing.url, timeout=5, backoff=policy) as client:
+        outcomes = []
+        for _ in range(policy.min_requests + 20):
+            try:
+                client.classify(IMAGE, deadline_ms=1000)
+            except Throttled:
+                outcomes.append("throttled")
+            except Overloaded:
+                outcomes.append("shed")
+    assert outcomes[:policy.min_requests] == ["shed"] * policy.min_requests
+    assert "throttled" in outcomes[policy.min_requests:], outcomes
+
+
+def test_a_429_for_the_request_s_own_deadline_is_not_overload(serve):
+    """``cause: deadline``: the request's own deadline was used up before the server started on it.
+    It is an answer about the request: counted as accepted, never retried, and it never throttles."""
+    server = serve(lambda arrival: (429, 1, "deadline"))
+    with Client(server.url, timeout=5, backoff=BackoffPolicy(retry_budget_ratio=10.0)) as client:  # throttle on
+        for _ in range(BackoffPolicy().min_requests + 10):
+            with pytest.raises(Overloaded) as refused:
+                client.classify(IMAGE, deadline_ms=5000)
+            assert refused.value.cause == "deadline" and not isinstance(refused.value, Throttled)
+        stats = client.backoff_stats()
+    assert stats["throttled"] == 0 and stats["retries"] == 0 and stats["reject_probability"] == 0.0, stats
+    assert stats["accepts"] == stats["attempts"] == server.count() == BackoffPolicy().min_requests + 10, stats

@@ -12,6 +12,7 @@ import asyncio
 import base64
 import io
 import json
+import time
 from dataclasses import dataclass
 
 import pytest
@@ -107,6 +108,26 @@ def test_multipart_field_image_is_classified_like_a_raw_body(rig):
     assert response.status_code == 200 and response.json()["labels"][0]["index"] == 281
 
 
+def test_a_deadline_used_up_before_the_handler_is_a_429_whose_cause_is_the_deadline(rig):
+    """Accepted (above the minimum), but a load balancer's X-Request-Start shows it waited 0.5 s of its 100 ms."""
+    stamp = f"t={time.time() - 0.5:.3f}"
+    used_up = rig.client.post("/classify", content=CAT, headers={"X-Deadline-Ms": "100", "X-Request-Start": stamp})
+    assert error_of(used_up) == (429, "overloaded") and used_up.json()["error"]["cause"] == "deadline"
+    assert int(used_up.headers["retry-after"]) >= 1
+    fresh = rig.client.post("/classify", content=CAT, headers={"X-Deadline-Ms": "100"})
+    assert fresh.status_code == 200 and fresh.json()["degraded_reason"] == "primary_timeout"
+
+
+def test_top_k_may_come_as_a_multipart_field_as_bentoml_s_client_sends_it(rig):
+    image = {"image": ("cat.jpg", CAT, "image/jpeg")}
+    assert len(rig.client.post("/classify", files=image, data={"top_k": "2"}).json()["labels"]) == 2
+    batch = rig.client.post("/classify_batch", files=[("images", ("cat.jpg", CAT))] * 2, data={"top_k": "3"}).json()
+    assert [len(entry["labels"]) for entry in batch["results"]] == [3, 3]
+    for data, query in (({"top_k": "2"}, "?top_k=2"), ({"top_k": "0"}, ""), ({"top_k": "7" * 65}, "")):
+        response = rig.client.post(f"/classify{query}", files=image, data=data)
+        assert error_of(response) == (422, "invalid_parameter"), response.json()
+
+
 @pytest.mark.parametrize("mode, reason", [("error", "primary_error"), ("hang", "primary_timeout"),
                                           ("expired", "primary_timeout")])
 def test_a_failing_primary_hands_over_to_the_fallback(rig, mode, reason):
@@ -159,13 +180,19 @@ def test_a_decode_that_outlives_the_deadline_is_deadline_exceeded(make_rig, tmp_
 @pytest.mark.parametrize("query, headers", [
     ("top_k=0", {}), ("top_k=21", {}), ("top_k=five", {}),
     ("", {"X-Deadline-Ms": "soon"}), ("", {"X-Deadline-Ms": "-5"}), ("", {"X-Deadline-Ms": "inf"}),
-    ("", {"X-Deadline-Ms": "20"}),  # no time left beyond answer_margin_ms
     ("", {"X-Priority": "urgent"}),
 ])
 def test_bad_parameters_are_422_invalid_parameter(rig, query, headers):
     response = rig.client.post(f"/classify?{query}", content=CAT, headers=headers)
     assert error_of(response) == (422, "invalid_parameter")
     assert response.json()["error"]["request_id"] == response.headers["x-request-id"]
+
+
+@pytest.mark.parametrize("raw", ["1", "20", "49.9"])
+def test_a_deadline_below_the_minimum_is_422_deadline_too_short(rig, raw):
+    response = rig.client.post("/classify", content=CAT, headers={"X-Deadline-Ms": raw})
+    assert error_of(response) == (422, "deadline_too_short")
+    assert "minimum deadline of 50 ms" in response.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("content_type, body", [

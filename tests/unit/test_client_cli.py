@@ -1,0 +1,53 @@
+"""The command lines of docs/clients.md: the SDK's (``rampart-client`` / ``python -m rampart_client``) and
+``python -m bench.loadgen``: their help, names and defaults."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+from bench import loadgen
+from rampart_client.__main__ import PROG, parser
+from tests.support import ROOT
+
+
+def subcommands(top: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (choices,) = [action.choices for action in top._actions if isinstance(action, argparse._SubParsersAction)]
+    return dict(choices)
+
+
+def assert_documented(command: argparse.ArgumentParser, prog: str) -> None:
+    """Every option of ``command`` has help, its usage names ``prog``, and each default is shown."""
+    for action in command._actions:
+        assert action.help and action.help.strip(), f"{prog} {action.dest} has no help"
+    text = command.format_help()
+    assert text.startswith(f"usage: {prog}"), text
+    for action in command._actions:
+        if action.option_strings and action.default is not argparse.SUPPRESS and action.dest != "help":
+            assert f"(default: {action.default})" in " ".join(text.split()), (prog, action.dest)
+
+
+def test_every_option_has_help_and_its_default_is_shown():
+    top = parser()
+    for name, command in {"": top, **subcommands(top)}.items():
+        assert_documented(command, f"{PROG} {name}".strip())
+    assert_documented(loadgen.parser(), "python -m bench.loadgen")
+
+
+def test_python_dash_m_prints_the_installed_command_s_name_and_the_json_option():
+    out = subprocess.run([sys.executable, "-m", "rampart_client", "classify", "--help"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: rampart-client classify") and "--json" in out.stdout
+    assert "(default: 5)" in out.stdout and "(default: http://127.0.0.1:3000)" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "rampart_client", "classify"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert bad.returncode == 2 and "usage: rampart-client classify" in bad.stderr
+
+
+def test_python_dash_m_bench_loadgen_help_prints_its_options():
+    out = subprocess.run([sys.executable, "-m", "bench.loadgen", "--help"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.startswith("usage: python -m bench.loadgen"), out.stderr
+    assert "--connections" in out.stdout and "(default: closed)" in out.stdout
