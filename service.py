@@ -34,6 +34,7 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import asyncio  # noqa: E402 - after the wait policy above
+import dataclasses
 import gc
 import logging
 import time
@@ -59,10 +60,11 @@ from rampart.config import get_settings
 from rampart.cores import place_this_process
 from rampart.inputs.buckets import buckets_for_resolution
 from rampart.overload.looplag import LoopLagMonitor
+from rampart.coalesce import Coalescer
 from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
 from rampart.shadow import ShadowMirror, models_busy
 from rampart.telemetry import metrics
-from runners.common import RunnerItem
+from runners.common import RunnerItem, RunnerResult
 from runners.fallback import Fallback
 from runners.primary import Primary
 from runners.shadow import Shadow
@@ -77,22 +79,33 @@ keep_runner_sockets_until_stopped()  # BentoML's arbiter deletes the runners' so
 cache_io_media_types()  # BentoML rebuilds a JSON schema for every response's media type: see the module
 
 
-def model_endpoint(tag: str, runner) -> ModelEndpoint:
+def model_endpoint(tag: str, runner, max_items: int = 1) -> ModelEndpoint:
     """A ``ModelEndpoint`` for the runner dependency ``runner`` serving model ``tag``.
 
     ``runner`` is a BentoML remote proxy under ``bentoml serve``, or the runner
-    instance itself when the service is built in-process.
+    instance itself when the service is built in-process. With ``runner_coalescing``
+    (the default) images bound for one bucket share a runner call
+    (``rampart.coalesce.Coalescer``: at most ``runner_calls_in_flight`` calls out per
+    bucket, at most ``max_items`` images each, the runner's ``max_batch_size``).
     """
     stored = bentoml.models.get(tag)
     meta = stored.info.metadata
     remote = getattr(runner, "to_async", None)
 
-    async def call(bucket_name: str, pixels, deadline_epoch_s: float) -> RunnerAnswer:
-        items = [RunnerItem(pixels=pixels, deadline_epoch_s=deadline_epoch_s)]
+    async def send(bucket_name: str, items: list[RunnerItem]) -> list:
         if remote is not None:
-            (result,) = await getattr(remote, bucket_name)(items)
+            return await getattr(remote, bucket_name)(items)
+        return await asyncio.to_thread(getattr(runner, bucket_name), items)
+
+    coalescer = Coalescer(send, lambda item: item.deadline_epoch_s, lambda: RunnerResult(expired=True),
+                          max_items=max(max_items, 1), in_flight=settings.runner_calls_in_flight)
+
+    async def call(bucket_name: str, pixels, deadline_epoch_s: float) -> RunnerAnswer:
+        item = RunnerItem(pixels=pixels, deadline_epoch_s=deadline_epoch_s)
+        if settings.runner_coalescing:
+            result = await coalescer.call(bucket_name, item)
         else:
-            (result,) = await asyncio.to_thread(getattr(runner, bucket_name), items)
+            (result,) = await send(bucket_name, [item])
         return RunnerAnswer(
             probs=None if result.expired else result.probs,
             inference_ms=result.inference_ms,
@@ -105,6 +118,8 @@ def model_endpoint(tag: str, runner) -> ModelEndpoint:
         labels=list(meta["labels"]),
         buckets=buckets_for_resolution(int(meta["resolution"])),
         call=call,
+        call_stats=lambda: {"coalescing": settings.runner_coalescing, **dataclasses.asdict(coalescer.stats),
+                            "items_per_call": coalescer.stats.items_per_call},
     )
 
 
@@ -169,8 +184,8 @@ class Rampart:
         place_this_process("api", settings)  # before the decode pool, whose workers inherit the cores
         self.classifier = Classifier(
             settings,
-            model_endpoint(settings.primary_model, self.primary),
-            model_endpoint(settings.fallback_model, self.fallback),
+            model_endpoint(settings.primary_model, self.primary, settings.primary_max_batch_size),
+            model_endpoint(settings.fallback_model, self.fallback, settings.fallback_max_batch_size),
             decode_pool(settings),
         )
         self.loop_lag = LoopLagMonitor()

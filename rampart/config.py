@@ -120,6 +120,11 @@ class Settings(BaseModel):
     # unless *_throughput_ips > 0 fixes it.
     primary_concurrent_batches: int = Field(1, ge=1)
     fallback_concurrent_batches: int = Field(1, ge=1)
+    # Batching before the runner boundary (rampart.coalesce): images bound for one bucket of one runner
+    # that wait in an API worker go in one call when a call for that bucket returns, at most
+    # runner_calls_in_flight calls out per bucket. Off: one call per image (the A/B arm).
+    runner_coalescing: bool = True
+    runner_calls_in_flight: int = Field(1, ge=1)
     primary_queue_delay_ms: int = Field(200, gt=0)
     fallback_queue_delay_ms: int = Field(200, gt=0)
     primary_throughput_ips: float = Field(0.0, ge=0.0)

@@ -66,6 +66,8 @@ class ModelEndpoint:
     labels: list[str]
     buckets: dict[str, Bucket]
     call: RunnerCall
+    #: Counts of the calls made to the runner (``rampart.coalesce.CoalescerStats`` as a dict), for ``/stats``.
+    call_stats: Callable[[], dict] | None = None
 
     @property
     def identity(self) -> dict[str, str]:
@@ -286,4 +288,5 @@ class ModelLane:
             "breaker": None if self.breaker is None else self.breaker.state,
             "breaker_opened": None if self.breaker is None else self.breaker.times_opened,
             "breaker_failures": None if self.breaker is None else dict(self.failures),
+            "runner_calls": None if self.endpoint.call_stats is None else self.endpoint.call_stats(),
         }
