@@ -125,8 +125,8 @@ def fit_to_bucket(image: Image.Image, bucket: Bucket, crop_margin: float) -> np.
 def resize_pixels(pixels: np.ndarray, bucket: Bucket) -> np.ndarray:
     """uint8 H×W×3 ``pixels`` resized to ``bucket`` (OpenCV): area averaging to shrink, bicubic to enlarge.
 
-    OpenCV's resize costs about a tenth of Pillow's for the same sizes (README
-    "Decoding"); area averaging is its anti-aliased filter for shrinking (here by
+    OpenCV's resize costs about a tenth of Pillow's for the same sizes
+    (docs/decoding.md); area averaging is its anti-aliased filter for shrinking (here by
     less than 2× after the decoder's shrink, by any factor elsewhere).
     """
     shrinking = pixels.shape[1] > bucket.width or pixels.shape[0] > bucket.height

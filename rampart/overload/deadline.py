@@ -73,7 +73,7 @@ class Deadline:
 
         Its margin is ``settings.answer_margin_ms`` + ``loop_lag_ms`` (the event loop's
         recent lag), its fallback reserve ``settings.fallback_reserve_ms``. With
-        ``settings.honour_deadlines`` false (an experiment's switch, README "Ablation")
+        ``settings.honour_deadlines`` false (an experiment's switch, docs/benchmarks.md, "Ablation")
         the budget is ``settings.max_deadline_ms`` whatever the client asked for.
         """
         if not settings.honour_deadlines:
