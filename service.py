@@ -27,7 +27,8 @@ import os
 
 # OpenMP threads (torch's intra-op pool) sleep between batches instead of spinning, so the
 # primary's idle threads leave the cores to the fallback and the API layer and the other way
-# round (issue 13: CPU per image at the knee on the 2-core host fell from 140 ms to 40 ms).
+# round (measured at the knee on the 2-core host: CPU per image fell from 140 ms to 40 ms;
+# docs/benchmarks.md, "CPU defaults").
 # libgomp reads this once, when torch is first imported, so it must be set before any
 # import below pulls torch in; every runner process imports this module first. Set
 # OMP_WAIT_POLICY=ACTIVE in the environment to get spinning back.
@@ -158,7 +159,7 @@ def accept_backlog() -> int:
 
 
 def middleware_config() -> dict:
-    """BentoML service configuration for its per-request middlewares (reasons: README, "Overload control").
+    """BentoML service configuration for its per-request middlewares (reasons: docs/overload.md).
 
     BentoML's access log is off (Rampart writes its own JSON line per request);
     tracing skips the admitted routes unless ``trace_requests``.
@@ -173,7 +174,7 @@ def middleware_config() -> dict:
                  backlog=accept_backlog(), **middleware_config())
 @bentoml.asgi_app(http_app, path="/")
 class Rampart:
-    """Image classification that degrades honestly under overload; see README."""
+    """Image classification that degrades honestly under overload; see README.md and docs/."""
 
     primary = bentoml.depends(Primary)
     fallback = bentoml.depends(Fallback)

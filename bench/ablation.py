@@ -1,4 +1,4 @@
-"""The design's own ablation (issue 15, item 5): one overload, repeated with one mechanism added per arm.
+"""The design's own ablation: one overload, repeated with one mechanism added per arm.
 
 ``python -m bench.ablation [--out bench_results] [--arms abcde] [--capacity RPS] [--merge] [--quick]``
 (also ``python -m bench.load_bench --ablation-only``) writes ``ablation.json`` and
@@ -18,7 +18,7 @@ request with ``X-Deadline-Ms: 1000``:
 - (e) ``cascade``: (d) with ``RAMPART_ROUTING=cascade``.
 
 The switches (``RAMPART_ROUTING=primary-only``, ``RAMPART_ADMISSION``,
-``RAMPART_HONOUR_DEADLINES``) are for experiments, not for production (README "Configuration").
+``RAMPART_HONOUR_DEADLINES``) are for experiments, not for production (docs/configuration.md).
 
 *Capacity* is the knee of a closed-loop ramp (``bench.load_bench.ramp``: the highest
 throughput with P99 ≤ 1 s and ≤ 1% refused) of a default Rampart, measured first in the
@@ -50,9 +50,9 @@ from bench.loadgen import Sample, closed_loop, load_bodies, open_loop, run_sync,
 __all__ = ["Arm", "ARMS", "FACTOR", "DEADLINE_MS", "CLIENT_PATIENCE_S", "outcome_summary", "run_arm",
            "measure_capacity", "main"]
 
-#: Offered load, as a multiple of the measured capacity (the issue's 5x).
+#: Offered load, as a multiple of the measured capacity (5x, as in the overload tests).
 FACTOR = 5.0
-#: Every request's deadline (ms), the issue's 1 s.
+#: Every request's deadline (ms): 1 s.
 DEADLINE_MS = 1000.0
 #: How long the client waits for an answer (s): long enough to time the late answers of arms (a) and (b),
 #: short enough that the run ends soon after the last arrival.
@@ -254,7 +254,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(report: dict) -> None:
-    """The README table: one line per arm."""
+    """The table of docs/benchmarks.md ("Ablation"): one line per arm."""
     print("arm  availability  in_time  timeouts  429s  5xx  P50_ms  P99_ms  static  degraded")
     for key in sorted(report["arms"]):
         a = report["arms"][key]

@@ -39,7 +39,7 @@ Confidence of the fallback (small) model, from its probability row ``p`` (C,):
   Out-of-Distribution Examples in Neural Networks" (ICLR 2017).
 - ``margin``: top-1 minus top-2 probability, the best-versus-second-best margin
   of margin-based uncertainty sampling (Scheffer, Decomain & Wrobel, "Active
-  Hidden Markov Models for Information Extraction", IDA 2001). The issue's other
+  Hidden Markov Models for Information Extraction", IDA 2001). Other
   cascades, IDK cascades (Wang et al., 2017) and Tabi (EuroSys 2023), gate on a
   model's confidence too; Tabi calibrates it first, which this command does not.
 

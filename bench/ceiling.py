@@ -45,7 +45,7 @@ The load generator runs on the same machine and takes CPU from the servers
 ceiling of this host with its client, while the CPU per request is the server's own.
 ``clean`` says whether every answer of a round was a full 200: no shed, degraded, 5xx or
 failed request. Only then are its figures the cost of serving alone, which several API
-workers' separate admission gates (README, "Overload control") cannot have shaped.
+workers' separate admission gates (docs/overload.md) cannot have shaped.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ NEAR_FREE_NAME = "rampart-near-free"
 #: The near-free model's input resolution: the primary's (EfficientNet-Lite2, 260 px), so the
 #: decode pool fits the same bucket sizes as for the real primary.
 NEAR_FREE_RESOLUTION = 260
-#: "A typical phone JPEG (about 500 KB)" (issue 13): a 4:3 photo at 1600×1200, the quality picked to land nearest.
+#: "A typical phone JPEG (about 500 KB)": a 4:3 photo at 1600×1200, the quality picked to land nearest.
 PHONE_JPEG_SIZE = (1600, 1200)
 PHONE_JPEG_TARGET_BYTES = 500_000
 SMALL_PNG_SIDE = 260
@@ -287,7 +287,7 @@ def measure_round(service, body: bytes, connections: int, duration_s: float, dea
 
 def with_breakdown(run: dict, costs: dict, naive: bool) -> dict:
     """``run`` (``measure_round``) plus ``decode_us``, ``model_us`` and ``serving_overhead_us`` (module doc),
-    and whether the overhead is within the issue's 1 ms (``OVERHEAD_TARGET_US``)."""
+    and whether the overhead is within the 1 ms target (``OVERHEAD_TARGET_US``)."""
     cpu = run["cpu_us_per_request"]
     model = costs["model"]
     if naive:

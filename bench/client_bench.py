@@ -8,7 +8,7 @@ calls, each call uploading the same 30 kB JPEG-sized body. The server's cost is 
 another process, so what is measured is the client alone. Writes ``clients.json``.
 
 A load generator or an SDK that burns milliseconds of CPU per call competes with
-the server on a small host and then measures itself (issue 9: an httpx driver
+the server on a small host and then measures itself (in the closed-loop overload an httpx driver
 spent 13 ms per request at 256 connections on the 2-core machine).
 """
 

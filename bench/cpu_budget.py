@@ -1,4 +1,4 @@
-"""Per-request CPU budget of a running Rampart, by process and by stage (issue 13, item 1).
+"""Per-request CPU budget of a running Rampart, by process and by stage.
 
 ``measure(root_pid, run, rate_hz)`` runs ``run()`` (a closed-loop step that returns its
 samples) while it

@@ -38,7 +38,7 @@ each service runs in its own subprocess on 127.0.0.1.
    image (both servers asked one image at a time with a 10 s deadline, so nothing is
    degraded). ``--cascade-only`` runs just this scenario and writes ``cascade.json``.
 
-7. **Knee ratios and CPU budget** (issue 13). Each ramp step also counts *full* answers
+7. **Knee ratios and CPU budget**. Each ramp step also counts *full* answers
    per second (``full_rps``: from the primary, not degraded); Rampart's *primary-path
    knee* (``primary_knee``) is the step with the most of them at P99 ≤ SLO and ≤ 1%
    errors. ``knee_ratios`` divides it by the raw primary ceiling at its best batch size
@@ -224,7 +224,7 @@ def ramp(service: Service, bodies: list[bytes], clients: list[int], step_s: floa
 def primary_knee(steps: list[dict]) -> dict:
     """The ramp step with the most *full* answers per second (``full_rps``: answers from the primary model,
     not degraded; every answer of a baseline) among those with P99 ≤ SLO and ≤ 1% errors (or 429s): the
-    primary-path knee of issue 13, where degraded answers do not count. When none qualifies, the step with
+    primary-path knee, where degraded answers do not count. When none qualifies, the step with
     the lowest P99."""
     within = [s for s in steps if s["p99_ms"] is not None and s["p99_ms"] <= SLO_MS and s["error_rate"] <= 0.01]
     return max(within, key=lambda s: s["full_rps"]) if within else min(steps, key=lambda s: s["p99_ms"] or 1e9)

@@ -128,7 +128,7 @@ def load_bodies(max_side: int = 480) -> list[bytes]:
     return bodies
 
 
-#: Documented slack (README, "Overload control"): an answer reaching the client later than
+#: Documented slack (docs/overload.md): an answer reaching the client later than
 #: its deadline plus this is late. The server stops answer_margin_ms (20 ms) plus its
 #: recent event-loop lag early; the rest covers the network, client-side scheduling and
 #: the rare 200-250 ms scheduler or garbage-collection stall of a saturated 2-core machine.

@@ -15,7 +15,7 @@ measured in turns: see ``measure``) gets
    the deadline, per second) and its ratio to C.
 
 Run it under ``flock /tmp/rampart-load.lock`` on a shared machine: every figure is timing.
-README "Overload control" (several API workers) reports its figures.
+docs/overload.md (several API workers) reports its figures.
 """
 
 from __future__ import annotations

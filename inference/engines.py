@@ -179,7 +179,7 @@ class OnnxClassifier:
             options.intra_op_num_threads = threads
         # ONNX Runtime's intra-op threads spin-wait for work after each run by default. Beside the
         # primary on a CPU host that spinning is CPU the primary needs: at the knee on the 2-core host
-        # the fallback used 20-32 ms of CPU per image against 7.6 ms when it runs alone (issue 13).
+        # the fallback used 20-32 ms of CPU per image against 7.6 ms when it runs alone (docs/benchmarks.md).
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
         options.add_session_config_entry("session.inter_op.allow_spinning", "0")
         wants_cuda = cuda_present()

@@ -16,7 +16,7 @@ Your own models::
         --primary-weights resnet50.pth --primary-resolution 224
     python -m models.import_models --fallback-onnx my_model.onnx --fallback-resolution 224
 
-A candidate for shadow traffic (README, "Shadow traffic") goes in under its own
+A candidate for shadow traffic (docs/overload.md, "Shadow traffic") goes in under its own
 name, ``rampart-shadow`` unless ``--shadow-name`` says otherwise, and only it is
 imported when a ``--shadow-*`` model is given::
 

@@ -3,7 +3,8 @@
 - ``rampart.api``: the HTTP layer (Starlette app and routes, request parsing, the Open
   Inference Protocol, start-up and drain, BentoML/uvicorn adapters and fixes). The
   only subpackage that imports BentoML (``bentoml_api`` at module level,
-  ``bentoml_fixes`` inside each patch function) or knows about uvicorn.
+  ``bentoml_fixes`` inside each patch function, ``app`` inside ``api_worker`` for the
+  worker's index) or uvicorn (``arrival``, ``headlimit``).
 - ``rampart.inputs``: upload bytes to model inputs (decoding, decode cost, repair,
   buckets, the decode worker pool).
 - ``rampart.overload``: admission gates and throughput meter, circuit breaker,
@@ -11,7 +12,9 @@
 - ``rampart.telemetry``: Prometheus metrics and the JSON access log.
 - top level: the request chain (``pipeline``), one model as the chain drives it
   (``lane``), the answer cache (``cache``), result shaping (``results``),
-  configuration (``config``), the error tree (``errors``), fault injection (``faults``).
+  configuration (``config``), CPU placement of each process (``cores``: niceness and
+  core pinning), the error tree (``errors``), fault injection (``faults``) and
+  shadow traffic to a candidate model (``shadow``).
 
 Everything outside ``rampart.api`` is plain Python, unit-tested without a server
 (``tests/unit``) and reused by the service, the runners and the tools.

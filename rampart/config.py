@@ -27,7 +27,7 @@ def default_cpu_threads(role: str, cores: int, gpu: bool) -> int:
 
     CPU-only host: the fallback gets a quarter of the cores (at least 1) and the primary the
     rest less one core left to the API layer (at least 1); on 2 cores both get 1, because the
-    primary measured 35 ms CPU/image with 1 torch thread against 49-51 ms with 2 (issue 13).
+    primary measured 35 ms CPU/image with 1 torch thread against 49-51 ms with 2 (docs/benchmarks.md, "CPU defaults").
     GPU host: the primary computes on the GPU, so 1 CPU thread feeds it, and the fallback
     (on the GPU too if ONNX Runtime's CUDA provider loads, else on the CPU) may take half
     the cores. Any other role: 1.
@@ -67,12 +67,12 @@ class Settings(BaseModel):
     crop_margin: float = Field(1.14, ge=1.0, le=2.0)
     # Source pixels per output pixel (each axis) the decoder keeps: a JPEG is decoded at 1/2, 1/4 or
     # 1/8 scale and any frame box-reduced only as far as the bucket still gets this many
-    # (rampart.inputs.buckets.shrink_rule). 1.0: measured top-1 agreement in README "Decoding".
+    # (rampart.inputs.buckets.shrink_rule). 1.0: measured top-1 agreement in docs/decoding.md.
     decode_oversample: float = Field(1.0, ge=1.0, le=8.0)
 
     # Processes of the entry (API) service that accept HTTP requests (`bentoml.service(workers=...)`).
     # Each has its own admission gates, which divide the runners' capacity between the workers
-    # (rampart.overload.admission; why: README "Overload control"). At most the smaller max_batch_size,
+    # (rampart.overload.admission; why: docs/overload.md). At most the smaller max_batch_size,
     # so every worker's gate keeps at least one image of each batch and their shares add up to the runner's.
     api_workers: int = Field(1, ge=1)
 
@@ -144,7 +144,7 @@ class Settings(BaseModel):
     fallback_nice: int = Field(10, ge=0, le=19)
     # CPU threads of each model's engine: torch intra-op threads of the primary, ONNX Runtime
     # intra-op threads of the fallback. 0 = the rule of ``default_cpu_threads`` from the host's
-    # cores and whether a GPU is present (README "Benchmark", CPU budget, issue 13).
+    # cores and whether a GPU is present (docs/benchmarks.md, "CPU defaults").
     # OpenMP's wait policy (OMP_WAIT_POLICY, PASSIVE unless set) is set in service.py.
     primary_cpu_threads: int = Field(0, ge=0)
     fallback_cpu_threads: int = Field(0, ge=0)
@@ -162,20 +162,20 @@ class Settings(BaseModel):
     breaker_open_ms: int = Field(5_000, gt=0)
     breaker_probes: int = Field(3, ge=1)
 
-    # Routing (rampart.pipeline, README "Cascade"). "primary-first": the primary answers, the fallback
+    # Routing (rampart.pipeline, docs/overload.md, "Cascade"). "primary-first": the primary answers, the fallback
     # only when the primary cannot. "cascade": the fallback answers first and keeps its answer when its
     # confidence (cascade_confidence, rampart.results.confidences) is at least cascade_threshold, else
     # the primary is asked within the same deadline. Both defaults are the calibration's recommendation
     # (python -m bench.cascade_eval, docs/bench/cascade_eval.json "recommendation", run of 2026-11-30):
     # msp at 0.42 is the lowest threshold with >= 99% top-1 agreement with the primary alone on the
     # 322 bundled photos, leaving 23.0% of them to the fallback (margin: 17.7% at 0.32).
-    # "primary-only" (for experiments: the ablation, README "Ablation"): the fallback is never asked, and the
+    # "primary-only" (for experiments: the ablation, docs/benchmarks.md, "Ablation"): the fallback is never asked, and the
     # primary gets the whole deadline (no fallback reserve).
     routing: Literal["primary-first", "cascade", "primary-only"] = "primary-first"
     cascade_confidence: Literal[CONFIDENCE_KINDS] = "msp"  # type: ignore[valid-type]  # "msp" or "margin"
     cascade_threshold: float = Field(0.42, ge=0.0, le=1.0)
 
-    # Switches for experiments, not for production (the ablation, bench.ablation, README "Ablation").
+    # Switches for experiments, not for production (the ablation, bench.ablation, docs/benchmarks.md, "Ablation").
     # admission (rampart.overload.admission.ADMISSION_MODES): "full" sheds on the queue bound and on predicted
     # lateness; "queue-bound" only on the queue bound; "off" never (unbounded model queues and decode queue, no
     # in-flight bound). honour_deadlines false: the server ignores the client's deadline and gives every request
@@ -189,7 +189,7 @@ class Settings(BaseModel):
     # Batch API.
     max_batch_images: int = Field(16, ge=1)
 
-    # Shadow traffic (rampart.shadow, README "Shadow traffic"): a candidate model in the store
+    # Shadow traffic (rampart.shadow, docs/overload.md, "Shadow traffic"): a candidate model in the store
     # (empty: off, no third runner) gets this share of the /classify requests a model answered,
     # after the answer is sent, only while the models are not busy (rampart.shadow.models_busy) and
     # no request was shed for a second, at most shadow_max_inflight at once, each within

@@ -5,7 +5,7 @@ fallback and shadow models) compete for the same cores. Niceness alone does not 
 the primary at its capacity under overload: Linux weighs niceness only between tasks
 on one core's run queue, and the scheduler spreads the API layer, the decoders and the
 fallback over every core, the primary's too. Measured on the 2-core host at 16
-closed-loop clients (README, "CPU placement"): unpinned, the primary got 0.72 of a core
+closed-loop clients (docs/benchmarks.md, "CPU placement"): unpinned, the primary got 0.72 of a core
 and answered 11.6 req/s; with its core reserved, 0.96 and 18.7.
 
 So, by default (``RAMPART_CPU_PINNING=auto``), the primary runner is pinned to the first

@@ -284,5 +284,5 @@ def _concrete(base: type[RampartError]) -> tuple[type[RampartError], ...]:
 
 
 #: Every error Rampart answers with, one class per ``code``: the leaves of the tree above, derived once
-#: this module has defined them (a guard test checks each is documented in README and mapped by the SDK).
+#: this module has defined them (a guard test checks each is documented in docs/api.md and mapped by the SDK).
 ERROR_CLASSES: tuple[type[RampartError], ...] = _concrete(RampartError)

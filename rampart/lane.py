@@ -114,7 +114,7 @@ class ModelLane:
 
     #: Silence, in full batches at the measured speed, after which a timeout means "hung", not "busy".
     #: A busy runner answers about once per batch time, and the measured speed already includes CPU
-    #: starvation on a saturated host (issue 9: with the call's own wait as the only limit, 256
+    #: starvation on a saturated host (in the closed-loop overload, with the call's own wait as the only limit, 256
     #: connections opened the breaker). Twice that, so a hung model is still caught within about a
     #: second (the fault drill of test_fallback.py: two rounds of 8 requests).
     STALL_BATCHES = 2

@@ -26,7 +26,7 @@ when neither has room, no place taken) and takes its place once the body is in
   ``no_model_available`` and ``needs_review`` true. If both gates shed the request
   and nothing is cached, the answer is 429 ``overloaded`` with ``Retry-After``.
 
-With ``routing="cascade"`` (README "Cascade") the order turns round: the fallback
+With ``routing="cascade"`` (docs/overload.md, "Cascade") the order turns round: the fallback
 is asked first (admission too: a fallback ticket, else a primary one), and its
 answer is kept when its confidence (``cascade_confidence``, ``rampart.results.confidences``)
 is at least ``cascade_threshold`` (route ``cascade_confident``). Otherwise the same
@@ -39,7 +39,7 @@ as the first choice (``cascade_fallback_unavailable``: a full answer); if neithe
 answers, the cache and static answer follow as above. The fallback asked first may
 use the whole ``Share.ALL``, so a fallback that hangs leaves the primary no time.
 
-With ``routing="primary-only"`` (an experiment's setting: the ablation, README
+With ``routing="primary-only"`` (an experiment's setting: the ablation, docs/benchmarks.md,
 "Ablation") the fallback is never asked: the primary alone, with the whole deadline
 (``Share.ALL``, no fallback reserve), then the cache and the static answer; 429 when
 the primary shed the request. The settings ``admission`` (the gates' ``mode``; ``off``
@@ -286,7 +286,7 @@ class Classifier:
                 logger.warning("decoder warm-up failed: %s: %s", type(outcome).__name__, outcome)
 
     async def classify(self, data: bytes, top_k: int, deadline: Deadline, high: bool = False) -> dict:
-        """The response body for one image (see README, "API").
+        """The response body for one image (see docs/api.md).
 
         Takes the request's place (``admit``) now that its body is in. Raises
         ``rampart.errors.ImageError`` for a bad upload (``DecodeTimeout`` when decoding
@@ -407,7 +407,7 @@ class Classifier:
     def _body(self, reason: str | None, start: float, decode_ms: float, warnings: tuple[str, ...] = (),
               ranked: CachedAnswer | None = None, top_k: int = 0, inference_ms: float | None = None,
               route: str | None = None) -> dict:
-        """The response body for one image (README, "API"): the one place an answer is built.
+        """The response body for one image (docs/api.md): the one place an answer is built.
 
         ``reason`` is the ``degraded_reason`` (None: a full answer); ``route`` how a model
         answer was reached (``ROUTES``; None: no model answered now). ``ranked`` holds

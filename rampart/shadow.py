@@ -246,7 +246,7 @@ class ShadowMirror:
                     self.rate * 100)
 
     def state(self) -> dict:
-        """Counters, agreement and latency for ``GET /stats`` (see README, "Shadow traffic")."""
+        """Counters, agreement and latency for ``GET /stats`` (see docs/overload.md, "Shadow traffic")."""
         compared = self.outcomes["compared"]
         latencies = np.asarray(self.latencies_ms)
         return {

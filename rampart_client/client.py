@@ -7,7 +7,7 @@
 
 Both share the request building and response parsing below; only the
 transport differs. ``AsyncClient`` sends over aiohttp because it was measured
-(``python -m bench.client_bench``, README "Python client"): an
+(``python -m bench.client_bench``, docs/api.md, "Python client"): an
 ``httpx.AsyncClient`` spent 1.2-4.3 ms of CPU per call at 1-256 concurrent calls,
 whatever its pool size, aiohttp 0.15-0.5 ms, and an SDK that burns milliseconds
 per call competes with the server on a small host. ``AsyncClient(...,

@@ -143,7 +143,7 @@ class BucketedRunner:
         ``run_bucket`` computes larger adaptive batches in chunks of it. On a GPU
         that is normally the largest size; on a CPU often a small one (on the 2-core
         CI machine EfficientNet-Lite2 does 89 images/s at batch 2 and 51 at 16, see
-        README "Benchmark"). ``warmup_ms_per_image`` at that size seeds the entry
+        docs/models.md, "Runners and hardware"). ``warmup_ms_per_image`` at that size seeds the entry
         service's throughput estimate (``rampart.overload.admission.ThroughputMeter``).
         """
         started = time.perf_counter()

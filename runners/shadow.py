@@ -1,4 +1,4 @@
-"""The shadow runner: a candidate model that gets mirrored traffic (README, "Shadow traffic").
+"""The shadow runner: a candidate model that gets mirrored traffic (docs/overload.md, "Shadow traffic").
 
 Started by ``bentoml serve`` only when ``shadow_model`` names a model in the store
 (``service.Rampart`` depends on it only then). The engine follows the stored

@@ -1,4 +1,8 @@
-"""Rampart's HTTP layer: the Starlette app, built by ``create_app`` (no BentoML).
+"""Rampart's HTTP layer: the Starlette app, built by ``create_app``.
+
+The app is plain Starlette and runs without a server (in-process tests); its one
+BentoML import is ``bentoml._internal.context`` inside ``api_worker``, for the
+worker's index under ``bentoml serve``.
 
 Routes:
 

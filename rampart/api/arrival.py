@@ -4,7 +4,7 @@ A request's deadline is counted from the earliest moment the server can know of
 it, not from when the handler starts. Between the two lie the kernel's socket
 buffers, the event loop's backlog and BentoML's middlewares; on the 2-core
 machine under a 256-connection overload that was 60-270 ms per request that the
-deadline never saw (issue 9).
+deadline never saw (measured in the closed-loop overload, docs/benchmarks.md).
 
 - **First byte.** ``stamp_arrivals()`` makes uvicorn (httptools protocol, the
   one BentoML runs when ``httptools`` is installed) note ``time.monotonic()`` in

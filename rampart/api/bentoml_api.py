@@ -97,7 +97,7 @@ class Timings(BaseModel):
 
 
 class ClassifyAnswer(BaseModel):
-    """A ``200`` answer of ``POST /classify`` (README, "API")."""
+    """A ``200`` answer of ``POST /classify`` (docs/api.md)."""
 
     request_id: str
     labels: list[Label] = Field(description="top_k classes, best first; [] when no model answered")

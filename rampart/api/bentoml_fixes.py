@@ -11,8 +11,7 @@ after their deadline. ``cancel_request_timers()`` replaces the middleware's
 ``traffic.timeout``) built on ``asyncio.timeout``, whose timer is cancelled when
 the request ends. It also runs the request in the caller's task instead of a new
 task plus a future per request: measured with ``bench/middleware_bench.py``,
-the middleware then costs about a third of the CPU it did (README, "Overload
-control"). 
+the middleware then costs about a third of the CPU it did (docs/overload.md). 
 ``instruments.RunnerTrafficMetricsMiddleware`` (and its legacy twin
 ``HTTPTrafficMetricsMiddleware``) label the ``endpoint`` of
 ``bentoml_service_request_total``, ``_request_duration_seconds`` and
@@ -25,7 +24,7 @@ path template instead, and ``other`` for every path no route serves
 ``IOMixin.mime_type`` (``_bentoml_sdk/io_models.py``) builds a pydantic JSON schema
 of the API's output type for every response, to learn a media type that never
 changes: 630 µs of CPU per runner batch measured on the 2-core host (py-spy found it
-in the primary runner at the knee, issue 13). ``cache_io_media_types()`` keeps the
+in the primary runner at the knee; docs/benchmarks.md, CPU budget). ``cache_io_media_types()`` keeps the
 answer per class.
 
 All are idempotent and applied when ``service.py`` is imported (by the entry

@@ -2,7 +2,7 @@
 
 Width × height bounds the memory of a decode but not its time. What else a
 decoder steps through is counted here, on the raw bytes, and refused above the
-limits (``rampart.config.Settings``, README "Limits"):
+limits (``rampart.config.Settings``, docs/configuration.md):
 
 - **scans** of a JPEG (SOS markers of the first image): a progressive decoder
   walks every 8×8 block of the image once per scan, so an 88 KB file declaring

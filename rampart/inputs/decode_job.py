@@ -36,7 +36,7 @@ __all__ = ["DecodePlan", "Prepared", "prepare", "model_input", "DEFAULT_OVERSAMP
 Image.init()
 
 #: Source pixels per output pixel (on each axis) the decoded frame keeps at least; 1.0 measured enough
-#: (``bench.decode_agreement``: top-1 of both default models against the full-size decode, README "Decoding").
+#: (``bench.decode_agreement``: top-1 of both default models against the full-size decode, docs/decoding.md).
 DEFAULT_OVERSAMPLE = 1.0
 
 

@@ -32,7 +32,7 @@ time and memory:
    rebuilds benign container damage (a missing JPEG EOI, a bad CRC on a PNG
    ancillary chunk, a wrong WebP RIFF size...) and the rebuilt bytes go through
    steps 2-6 again, as strictly. The decoding policy and what counts as pixel data
-   materially missing, per format, are in that module's docstring and the README.
+   materially missing, per format, are in that module's docstring and docs/api.md ("Damaged uploads").
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Repairs of benign container damage: the decoding policy's second chance.
 
-The policy (README, "Damaged uploads"): **a file whose pixel data is complete is
+The policy (docs/api.md, "Damaged uploads"): **a file whose pixel data is complete is
 classified, whatever the state of its trailing bytes, end markers and ancillary
 metadata; a file whose pixel data is materially missing is refused.** Pillow, strict
 (``ImageFile.LOAD_TRUNCATED_IMAGES`` stays off), already accepts most benign damage
@@ -64,7 +64,7 @@ from rampart.errors import CorruptImage
 
 __all__ = ["Repair", "INPUT_WARNINGS", "repair"]
 
-#: Every warning ``repair`` can report, for the metric's initial series and the README.
+#: Every warning ``repair`` can report, for the metric's initial series and docs/api.md.
 INPUT_WARNINGS: tuple[str, ...] = (
     "jpeg_missing_eoi",
     "png_bad_ancillary_crc",
@@ -103,7 +103,7 @@ def repair(data: bytes, fmt: str) -> Repair | None:
         return _repair_png(data)
     if fmt == "WEBP":
         return _repair_webp(data)
-    return None  # GIF, BMP, TIFF: Pillow already accepts their benign faults (README)
+    return None  # GIF, BMP, TIFF: Pillow already accepts their benign faults (docs/api.md)
 
 
 # --- JPEG (ITU-T T.81) -------------------------------------------------------------

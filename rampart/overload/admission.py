@@ -28,7 +28,7 @@ is in, ``reserve`` takes a ``Ticket``. A request is refused (``Shed``) when
 
 The caller then tries the next model in the chain (see ``rampart.pipeline``).
 
-For experiments only (setting ``admission``, README "Ablation"), a gate's ``mode`` can
+For experiments only (setting ``admission``, docs/benchmarks.md, "Ablation"), a gate's ``mode`` can
 switch shedding off in part: ``queue-bound`` refuses only ``queue_full`` (no
 prediction, at arrival or at the turn), ``off`` refuses nothing (an unbounded queue,
 no eviction). ``full``, the default, is everything above.
@@ -49,7 +49,7 @@ others over-predicts (its time per image also holds the others' images its reque
 waited behind: at worst about 2× with one request of its own) and sheds early, to the
 fallback. One that earned the full speed while alone under-predicts for a few τ
 once the others get busy (the re-check at dispatch and the deadline catch it). Why this and not a shared counter or admission
-in the runner: README, "Overload control".
+in the runner: docs/overload.md.
 """
 
 from __future__ import annotations
@@ -107,7 +107,7 @@ class ThroughputMeter:
 
     #: Lowest estimate, as a fraction of the warm-up speed. Under overload on the 2-core
     #: machine the primary serves 35-42 requests/s against 89 images/s at warm-up, about
-    #: 0.4-0.5 of it (README, "Overload control"); a tenth leaves room for worse hosts.
+    #: 0.4-0.5 of it (docs/overload.md); a tenth leaves room for worse hosts.
     FLOOR_FRACTION = 0.1
 
     def __init__(self, override_ips: float = 0.0, tau_s: float = 5.0, clock=time.monotonic,

@@ -78,7 +78,7 @@ class Deadline:
         lagging loop (a busy neighbour on the host) cannot turn a deadline above the minimum
         into a 429 or a ``deadline_exceeded`` before any work was tried; such an answer may
         leave up to the lag late instead. With ``settings.honour_deadlines`` false (an
-        experiment's switch, README "Ablation") the budget is ``settings.max_deadline_ms``
+        experiment's switch, docs/benchmarks.md, "Ablation") the budget is ``settings.max_deadline_ms``
         whatever the client asked for.
         """
         if not settings.honour_deadlines:

@@ -119,7 +119,7 @@ def mutated_bodies_for_pid_check() -> list[bytes]:
     return bodies
 
 
-#: Documented bound (README, "Memory"): growth of the whole server's RSS during 32
+#: Documented bound (docs/design.md, "Memory"): growth of the whole server's RSS during 32
 #: concurrent 8K JPEG uploads. Measured ~260 MB on the 2-core CI machine; a naive full
 #: decode alone would need 32 × 7680 × 4320 × 3 B ≈ 3.2 GB.
 BURST_RSS_GROWTH_BOUND_MB = 600

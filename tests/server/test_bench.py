@@ -41,7 +41,7 @@ def test_load_bench_quick_runs_end_to_end_with_both_baselines(tmp_path):
     sweep = results["rampart"]["closed_loop_sweep"]
     assert [r["connections"] for r in sweep] == [1, 4] and all(r["client_cpu_ms_per_request"] > 0 for r in sweep)
     assert set(results["ratios"]) == {"naive", "plain_bentoml"}
-    # Issue 13: the primary-path knee against the raw ceiling and each baseline; the CPU budget at that knee.
+    # The primary-path knee against the raw ceiling and each baseline; the CPU budget at that knee.
     assert set(results["knee_ratios"]) == {"raw_ceiling", "naive", "plain_bentoml"}, results["knee_ratios"]
     budget = results["rampart"]["cpu_budget"]
     assert budget["requests"] > 0 and all(budget["cpu_us_per_request"][role] > 0 for role in ("api", "primary")), budget

@@ -137,7 +137,7 @@ def test_two_replicas_behind_nginx_serve_more_under_five_times_overload(cluster,
     assert {s.status for s in samples} <= {200, 429}, (report, odd_lines(cluster))  # a result or a shed, never a 5xx
     assert both["late"] == 0, report
     assert both["goodput_rps"] >= 1.6 * single["goodput_rps"], report
-    print(json.dumps(report))  # the numbers README quotes (pytest -rP shows them)
+    print(json.dumps(report))  # the numbers docs/deploy.md quotes (pytest -rP shows them)
     retried = [line for line in cluster.nginx.access_log.read_text().splitlines() if '"429, ' in line]
     assert retried, "nginx never passed a 429 on to the other replica"
 

@@ -4,7 +4,7 @@ With the default queueing delay (200 ms) most of 400 simultaneous requests would
 shed (429, see tests/server/test_overload.py); here the server accepts a minute of
 queueing, so every request must be answered, by the primary, in real batches.
 This is also the regression test for the BentoML dependency-proxy defect of
-1.4.30-1.4.40 (see README, "Why BentoML 1.4.29").
+1.4.30-1.4.40 (see docs/design.md, "Why BentoML 1.4.29").
 
 The server runs 2 API workers (``RAMPART_API_WORKERS=2``), the harder configuration:
 two admission gates share each runner, and Rampart's metrics on ``/metrics`` must

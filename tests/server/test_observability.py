@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import PHOTOS, ROOT, encode, photo
 
-#: Every rampart_* family the README and the dashboard promise (name as the parser reports it).
+#: Every rampart_* family docs/observability.md and the dashboard promise (name as the parser reports it).
 RAMPART_FAMILIES = {
     "rampart_queue_depth", "rampart_inflight_batches", "rampart_admitted", "rampart_rejected", "rampart_responses",
     "rampart_ttl_dropped", "rampart_fallback", "rampart_degraded", "rampart_circuit_breaker_state",

@@ -6,7 +6,7 @@ measured in the same run, and the deadline checks are the API's contract
 ("answered by the deadline plus the documented slack").
 
 The burst and the second 5× run use one server with ``RAMPART_API_WORKERS=2``, where
-two admission gates divide each runner between them (README, "Overload control");
+two admission gates divide each runner between them (docs/overload.md);
 the burst comes first, on the fresh server. The first 5× run uses the session server
 (1 worker).
 """
@@ -29,15 +29,15 @@ OVERLOAD_FACTOR = 5.0
 OVERLOAD_SECONDS = 20.0
 DEADLINE_MS = 1000
 #: Least goodput at 5 × C, as a share of C, by API workers. With 2 workers on the shared 2-core host
-#: it measured 0.80-0.94 (README, "Overload control"), short of the 0.9 one worker keeps: each worker's
+#: it measured 0.80-0.94 (docs/overload.md), short of the 0.9 one worker keeps: each worker's
 #: gate holds 1/2 of each runner, and the connections a worker holds are not split evenly.
 MIN_GOODPUT = {1: 0.9, 2: 0.75}
-#: The primary's own closed-loop capacity C_p (issue 13 item 3): full answers per second at its knee,
+#: The primary's own closed-loop capacity C_p (the primary keeps its capacity under overload): full answers per second at its knee,
 #: where nothing is degraded (bench.load_bench's primary-path knee is at 4-8 clients on 2 cores).
 PRIMARY_CAPACITY_CLIENTS = 8
-#: Least share of C_p the primary itself answers in time under the 5x overload. The issue asks 0.9; with
+#: Least share of C_p the primary itself answers in time under the 5x overload. The goal is 0.9; with
 #: decodes bound for the primary first and its core reserved, 0.6-0.72 was measured on the 2-core host
-#: (README, "CPU placement"); before, 0.31-0.38. Total answers in time must be at least 1.5 x C_p.
+#: (docs/benchmarks.md, "CPU placement"); before, 0.31-0.38. Total answers in time must be at least 1.5 x C_p.
 MIN_PRIMARY_SHARE = 0.5
 MIN_TOTAL_OVER_PRIMARY_CAPACITY = 1.5
 
@@ -59,7 +59,7 @@ def test_high_priority_burst_is_shed_less_and_served_more(two_workers):
 
     On the 2-core host such a burst is served only in part: the API workers' event
     loops, the decoders and both models share two cores, and a share of the admitted
-    requests end with the static answer (README, "Overload control"). What priority
+    requests end with the static answer (docs/overload.md). What priority
     promises is the order: a high request is refused less often than a normal one
     and carries a model's labels more often, and every answer still comes by the
     deadline. (An earlier form compared P99 latencies; with about one answered
@@ -96,7 +96,7 @@ def overload_server(request):
 def test_five_times_capacity_open_loop(overload_server):
     server, workers = overload_server
     bodies = load_bodies()
-    c_primary = None  # item 3 is checked on the default, 1-worker server
+    c_primary = None  # the primary's own share is checked on the default, 1-worker server
     if workers == 1:
         primary_capacity = summarize(asyncio.run(closed_loop(f"{server.url}/classify", bodies,
                                                              PRIMARY_CAPACITY_CLIENTS, CAPACITY_SECONDS)), CAPACITY_SECONDS)
@@ -122,7 +122,7 @@ def test_five_times_capacity_open_loop(overload_server):
     # Served: a 200 within the deadline, full or degraded (the static answer is the chain's last step).
     served = [s for s in samples if s.status == 200 and s.latency_ms <= s.deadline_ms]
     assert len(served) >= MIN_GOODPUT[workers] * c * OVERLOAD_SECONDS, report
-    # The primary keeps working near its own capacity; the fallback adds what it cannot (issue 13 item 3).
+    # The primary keeps working near its own capacity; the fallback adds what it cannot.
     if c_primary is not None:
         assert c_primary > 0 and served_by_primary >= MIN_PRIMARY_SHARE * c_primary, report
         assert len(served) / OVERLOAD_SECONDS >= MIN_TOTAL_OVER_PRIMARY_CAPACITY * c_primary, report

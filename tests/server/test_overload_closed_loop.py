@@ -27,9 +27,9 @@ REFERENCE_S = 5.0
 OVERLOAD_S = 10.0
 AFTER_S = 10.0
 TAU_MS = 1000
-#: Single-connection latency after the overload may be at most this multiple of the one before it (issue 9).
+#: Single-connection latency after the overload may be at most this multiple of the one before it (no after-effects of an overload).
 AFTER_EFFECT_RATIO = 1.5
-#: ... and from this many seconds after the overload on (issue 9: "within 5 s").
+#: ... and from this many seconds after the overload on (recovery "within 5 s").
 RECOVERY_S = 5.0
 
 
@@ -131,7 +131,7 @@ def test_closed_loop_overload_leaves_no_after_effect(tau_server, client):
                                    for name, run in (("before", before), ("after", after))}
     report["median_waiting_ms"] = {"before": median_waiting_ms(before), "after": median_waiting_ms(after)}
 
-    # Full answers again (the issue saw 13 of 45 degraded); a rare loop-lag spike on a shared host may degrade one.
+    # Full answers again (before the fix, 13 of 45 were degraded); a rare loop-lag spike on a shared host may degrade one.
     assert all(s.status == 200 for s in after.samples), report
     assert sum(s.degraded_reason is not None for s in after.samples) <= 0.05 * len(after.samples), report
     assert median_waiting_ms(after) <= AFTER_EFFECT_RATIO * median_waiting_ms(before), report

@@ -33,7 +33,7 @@ SHADOW_DEADLINE_MS = 300
 #: Client latency with a slow or failing shadow over shadow-off, median and P90, same run: "within noise".
 #: Both servers answer the same photos one request at a time, interleaved, so host noise hits both.
 LATENCY_RATIO_LIMIT = 1.5
-#: Offered load for the overload test: several times what the 2-core CI host answers (README, "Benchmark").
+#: Offered load for the overload test: several times what the 2-core CI host answers (docs/benchmarks.md).
 OVERLOAD_RPS = 150.0
 
 

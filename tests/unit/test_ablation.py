@@ -1,4 +1,4 @@
-"""The ablation's switches (``bench.ablation`` arms a-c; README "Ablation") change what they claim, no server.
+"""The ablation's switches (``bench.ablation`` arms a-c; docs/benchmarks.md, "Ablation") change what they claim, no server.
 
 - ``RAMPART_ROUTING=primary-only``: the fallback is never asked; the primary has the whole deadline.
 - ``RAMPART_ADMISSION``: ``off`` never sheds (arm a), ``queue-bound`` sheds only on the queue

@@ -1,7 +1,7 @@
 """How admission divides one runner between several API workers (setting ``api_workers``), in-process.
 
 Each API worker process has its own gates; together they must admit no more than one
-worker admitting everything would (README, "Overload control": several API workers).
+worker admitting everything would (docs/overload.md: several API workers).
 """
 
 from __future__ import annotations

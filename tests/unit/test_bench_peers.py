@@ -1,6 +1,6 @@
 """The Triton baseline of ``bench.load_bench`` without a server: the load generator's Open Inference
 Protocol wire (``bench.loadgen.oip_request`` / ``oip_answer``) and the skip path when PyTriton is not
-installed. The baseline itself runs only in ``make bench-peers`` (README "Benchmark")."""
+installed. The baseline itself runs only in ``make bench-peers`` (docs/benchmarks.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Guard: every error class Rampart answers with is documented in README's table and mapped by the SDK."""
+"""Guard: every error class Rampart answers with is documented in docs/api.md's error table and mapped by the SDK."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import rampart_client.errors as client_errors
 from rampart import errors
 from rampart_client.client import error_from_body, parse_batch
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+API_DOC = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
 
 
 def expected_client_error(status: int) -> type[client_errors.RampartClientError]:
@@ -32,9 +32,9 @@ def test_error_classes_are_every_leaf_of_the_tree_with_unique_codes():
 
 
 @pytest.mark.parametrize("cls", errors.ERROR_CLASSES, ids=lambda cls: cls.code)
-def test_every_error_class_has_a_row_in_readme_s_error_table(cls):
+def test_every_error_class_has_a_row_in_the_api_doc_s_error_table(cls):
     row = rf"^\| {cls.status} \| `{cls.code}` \|"
-    assert re.search(row, README, re.MULTILINE), f"README's error table has no row for {cls.status} {cls.code}"
+    assert re.search(row, API_DOC, re.MULTILINE), f"docs/api.md's error table has no row for {cls.status} {cls.code}"
 
 
 @pytest.mark.parametrize("cls", errors.ERROR_CLASSES, ids=lambda cls: cls.code)

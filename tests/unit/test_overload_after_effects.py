@@ -111,7 +111,7 @@ def test_a_busy_model_whose_answers_come_late_never_opens_the_breaker():
         # Rounds of 4 at once with 140 ms each. From the second round on, nothing comes back in
         # time for anyone (the model is still on the previous round's work), but the model keeps
         # answering late and dropping expired items: busy, not broken. Counting only answers in
-        # time as progress, as before issue 9, opened the breaker here.
+        # time as progress, as the breaker once did, opened the breaker here.
         for _ in range(3):
             reasons += await attempts(lane, 4, 140)
         await asyncio.sleep(0.5)

@@ -93,7 +93,7 @@ class RankRecordingPool(BoundedPool):
 
 
 def test_an_upload_the_primary_took_decodes_before_one_sent_to_the_fallback():
-    """Issue 13 item 3: under overload the decoders must feed the primary first."""
+    """The primary keeps its capacity under overload: the decoders must feed the primary first."""
     pool = RankRecordingPool()
     service = classifier(Settings(), pool=pool)
     data = encode(photo("chelsea"))

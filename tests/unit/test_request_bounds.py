@@ -5,7 +5,7 @@ body arrives in chunks, and ``rampart.api.routing`` on a Starlette app shaped li
 BentoML's (its routes first, Rampart's app on a ``PassiveMount``, a static-file
 mount). The end-to-end tests are in ``tests/server/test_request_bounds.py``; there
 nothing asserts a wall-clock time except the liveness budget (``LIVEZ_BUDGET_MS``, the
-issue's contract); a part bomb is "fast" next to a plain upload of the same size, in
+request bounds' contract); a part bomb is "fast" next to a plain upload of the same size, in
 the same run.
 """
 
@@ -31,7 +31,7 @@ from rampart.overload.deadline import Deadline
 from rampart.api.headlimit import HeadLimitedProtocol
 from rampart.api.routing import JSONRouteErrors, route_template
 
-#: /livez must answer within this while part bombs are parsed (issue 10's contract).
+#: /livez must answer within this while part bombs are parsed (the request bounds' contract).
 LIVEZ_BUDGET_MS = 100
 #: A part bomb is refused in at most this multiple of the time a plain upload of the same size takes.
 BOMB_TO_UPLOAD_RATIO = 3.0
@@ -46,9 +46,9 @@ def form(parts: list[tuple[str, str | None, bytes]], boundary: bytes = b"B") -> 
     return b"".join(out) + b"--" + boundary + b"--\r\n"
 
 
-#: 2 million empty parts, 18 MB: under the /classify byte cap (issue 10).
+#: 2 million empty parts, 18 MB: under the /classify byte cap.
 EMPTY_PARTS_BOMB = b"--B\r\n\r\n\r\n" * 2_000_000 + b"--B--\r\n"
-#: 100,000 tiny image parts, 7.5 MB (issue 10).
+#: 100,000 tiny image parts, 7.5 MB.
 TINY_IMAGES_BOMB = form([("images", str(i), b"x") for i in range(100_000)])
 MULTIPART = {"Content-Type": "multipart/form-data; boundary=B"}
 
