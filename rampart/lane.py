@@ -130,11 +130,17 @@ class ModelLane:
         self.last_response = time.monotonic()
         self._ms_per_image_at_response: float | None = None
         self.failures = {"error": 0, "stalled": 0}  # what the breaker was told, by kind
+        self._published_queue: dict[str, int] = {}  # queue depth last written per bucket
         gate.on_change = self._publish_queue
 
     def _publish_queue(self, gate: AdmissionGate) -> None:
+        """Set the queue-depth gauge of each bucket whose count changed since the last call: a change
+        moves one ticket, so one or two gauges are written, not every bucket's (each write is a
+        multiprocess-file write under BentoML's Prometheus setup)."""
         for bucket, count in gate.queued_by_bucket.items():
-            metrics.QUEUE_DEPTH.labels(self.role, bucket).set(count)
+            if self._published_queue.get(bucket) != count:
+                self._published_queue[bucket] = count
+                metrics.QUEUE_DEPTH.labels(self.role, bucket).set(count)
 
     def refusal(self, high: bool, deadline: Deadline) -> Shed | None:
         """Why this model would refuse a request arriving now, or None when it has room; changes nothing.
