@@ -39,6 +39,7 @@ import dataclasses
 import gc
 import logging
 import time
+from typing import Callable
 
 import bentoml
 import psutil
@@ -65,7 +66,7 @@ from rampart.coalesce import Coalescer
 from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
 from rampart.shadow import ShadowMirror, models_busy
 from rampart.telemetry import metrics
-from runners.common import RunnerItem, RunnerResult
+from runners.common import RunnerItem
 from runners.fallback import Fallback
 from runners.primary import Primary
 from runners.shadow import Shadow
@@ -80,14 +81,16 @@ keep_runner_sockets_until_stopped()  # BentoML's arbiter deletes the runners' so
 cache_io_media_types()  # BentoML rebuilds a JSON schema for every response's media type: see the module
 
 
-def model_endpoint(tag: str, runner, max_items: int = 1) -> ModelEndpoint:
+def model_endpoint(tag: str, runner, max_items: int = 1,
+                   item_cost_s: Callable[[], float | None] = lambda: None) -> ModelEndpoint:
     """A ``ModelEndpoint`` for the runner dependency ``runner`` serving model ``tag``.
 
     ``runner`` is a BentoML remote proxy under ``bentoml serve``, or the runner
     instance itself when the service is built in-process. With ``runner_coalescing``
     (the default) images bound for one bucket share a runner call
     (``rampart.coalesce.Coalescer``: at most ``runner_calls_in_flight`` calls out per
-    bucket, at most ``max_items`` images each, the runner's ``max_batch_size``).
+    bucket, at most ``max_items`` images each, the runner's ``max_batch_size``, and no more than
+    fit before the earliest deadline at ``item_cost_s()``, the model's measured seconds per image).
     """
     stored = bentoml.models.get(tag)
     meta = stored.info.metadata
@@ -98,8 +101,8 @@ def model_endpoint(tag: str, runner, max_items: int = 1) -> ModelEndpoint:
             return await getattr(remote, bucket_name)(items)
         return await asyncio.to_thread(getattr(runner, bucket_name), items)
 
-    coalescer = Coalescer(send, lambda item: item.deadline_epoch_s, lambda: RunnerResult(expired=True),
-                          max_items=max(max_items, 1), in_flight=settings.runner_calls_in_flight)
+    coalescer = Coalescer(send, lambda item: item.deadline_epoch_s, max_items=max(max_items, 1),
+                          in_flight=settings.runner_calls_in_flight, item_cost_s=item_cost_s)
 
     async def call(bucket_name: str, pixels, deadline_epoch_s: float) -> RunnerAnswer:
         item = RunnerItem(pixels=pixels, deadline_epoch_s=deadline_epoch_s)
@@ -185,8 +188,10 @@ class Rampart:
         place_this_process("api", settings)  # before the decode pool, whose workers inherit the cores
         self.classifier = Classifier(
             settings,
-            model_endpoint(settings.primary_model, self.primary, settings.primary_max_batch_size),
-            model_endpoint(settings.fallback_model, self.fallback, settings.fallback_max_batch_size),
+            model_endpoint(settings.primary_model, self.primary, settings.primary_max_batch_size,
+                           lambda: self.seconds_per_image("primary")),
+            model_endpoint(settings.fallback_model, self.fallback, settings.fallback_max_batch_size,
+                           lambda: self.seconds_per_image("fallback")),
             decode_pool(settings),
         )
         self.loop_lag = LoopLagMonitor()
@@ -219,6 +224,11 @@ class Rampart:
         # ``images`` is the whole Starlette request (``BatchUpload``); /classify_batch's own route reads it,
         # ``top_k`` included, as for ``classify``.
         return await classify_batch_endpoint(http_app)(images)
+
+    def seconds_per_image(self, role: str) -> float | None:
+        """The ``primary`` or ``fallback`` model's measured time per image (its admission gate's meter), s."""
+        ms = getattr(self.classifier, role).gate.meter.ms_per_image
+        return None if not ms else ms / 1000.0
 
     def loop_lag_ms(self) -> float:
         """The event loop's recent lag (ms), kept back from each new deadline; starts the monitor."""

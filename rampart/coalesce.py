@@ -14,9 +14,13 @@ What each caller keeps:
 
 - its order: items leave in the order they arrived here, which is the admission gate's
   dispatch order (high priority first, then arrival; ``rampart.overload.admission``);
-- its deadline: an item whose ``deadline_epoch_s`` has passed when its call is formed
-  is dropped before the boundary and answered ``expired`` (as the runner's TTL drop
-  would, without the trip), and the runner still drops items that expire on the way;
+- its deadline: an item whose deadline has passed when its call is formed is dropped
+  before the boundary (its caller gets ``ExpiredBeforeSend``, a ``TimeoutError``: no
+  answer came from the runner, so it is not the runner's progress either), and the
+  runner still drops items that expire on the way. A call carries no more items than
+  the model can compute before the earliest deadline among them, at the measured cost
+  per item (``item_cost_s``): a model that takes 130 ms an image on a CPU gets a few
+  images per call within a 1 s deadline, never 16 that would all come back late;
 - its own outcome: a call that fails fails each of its items, so every caller's lane
   records its own error (the circuit breaker counts per item); a caller that stops
   waiting before its item is sent takes it out of the queue (it is never sent);
@@ -33,10 +37,14 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Generic, TypeVar
 
-__all__ = ["Coalescer", "CoalescerStats"]
+__all__ = ["Coalescer", "CoalescerStats", "ExpiredBeforeSend"]
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+
+
+class ExpiredBeforeSend(TimeoutError):
+    """The item's deadline passed while it waited for its call: it was never sent to the runner."""
 
 
 @dataclass
@@ -65,27 +73,29 @@ class Coalescer(Generic[Item, Result]):
     """Per bucket, at most ``in_flight`` ``send`` calls at once; items that arrive meanwhile share the next.
 
     ``send(bucket, items)`` must return one result per item, in order. ``deadline_of(item)``
-    is the item's deadline in ``time.time()`` seconds and ``expired()`` the result that
-    stands for a dropped item. ``max_items`` bounds a call (≥ 1), ``in_flight`` the calls
-    out per bucket (≥ 1). Raises ``ValueError`` for bounds below 1.
+    is the item's deadline in ``time.time()`` seconds. ``max_items`` bounds a call (≥ 1),
+    ``in_flight`` the calls out per bucket (≥ 1). ``item_cost_s()`` is the model's
+    measured seconds per item (None or 0 while unmeasured: no bound but ``max_items``).
+    Raises ``ValueError`` for bounds below 1.
     """
 
     def __init__(self, send: Callable[[str, list[Item]], Awaitable[list[Result]]],
-                 deadline_of: Callable[[Item], float], expired: Callable[[], Result],
-                 max_items: int, in_flight: int = 1, clock: Callable[[], float] = time.time) -> None:
+                 deadline_of: Callable[[Item], float], max_items: int, in_flight: int = 1,
+                 item_cost_s: Callable[[], float | None] = lambda: None, clock: Callable[[], float] = time.time) -> None:
         if max_items < 1 or in_flight < 1:
             raise ValueError(f"max_items and in_flight must be at least 1, got {max_items} and {in_flight}")
-        self._send, self._deadline_of, self._expired = send, deadline_of, expired
-        self.max_items, self.in_flight, self._clock = max_items, in_flight, clock
+        self._send, self._deadline_of = send, deadline_of
+        self.max_items, self.in_flight, self.item_cost_s, self._clock = max_items, in_flight, item_cost_s, clock
         self._buckets: dict[str, _Bucket] = {}
         self.stats = CoalescerStats()
 
     async def call(self, bucket: str, item: Item) -> Result:
         """``item``'s result, sent alone at once or with the items waiting when a call for ``bucket`` returns.
 
-        Raises what ``send`` raised for the call that carried it (or ``RuntimeError`` when
-        ``send`` returned the wrong number of results). Cancelled before its item left,
-        the item is taken out of the queue and never sent.
+        Raises ``ExpiredBeforeSend`` when its deadline passed before it was sent, what
+        ``send`` raised for the call that carried it (or ``RuntimeError`` when ``send``
+        returned the wrong number of results). Cancelled before its item left, the item
+        is taken out of the queue and never sent.
         """
         state = self._buckets.setdefault(bucket, _Bucket())
         future = asyncio.get_running_loop().create_future()
@@ -105,17 +115,27 @@ class Coalescer(Generic[Item, Result]):
             raise
 
     def _dispatch(self, bucket: str, state: _Bucket) -> None:
-        """Form one call from what waits (dropping expired items) and send it, if anything is left."""
+        """Form one call from what waits (dropping expired items, bounded by ``max_items`` and by what
+        can be computed before the earliest deadline in it) and send it, if anything is left."""
         now = self._clock()
-        batch = []
+        cost_s = self.item_cost_s() or 0.0
+        batch: list = []
+        earliest = float("inf")
         while state.waiting and len(batch) < self.max_items:
-            item, future = state.waiting.popleft()
+            item, future = state.waiting[0]
             if future.done():
+                state.waiting.popleft()
                 continue
-            if self._deadline_of(item) <= now:
-                future.set_result(self._expired())
+            deadline = self._deadline_of(item)
+            if deadline <= now:
+                state.waiting.popleft()
+                future.set_exception(ExpiredBeforeSend("the deadline passed before the item was sent"))
                 self.stats.expired += 1
                 continue
+            if batch and cost_s > 0 and now + (len(batch) + 1) * cost_s > min(earliest, deadline):
+                break  # one more would make the call late for someone in it: it goes in the next call
+            state.waiting.popleft()
+            earliest = min(earliest, deadline)
             batch.append((item, future))
         if not batch:
             return

@@ -7,9 +7,7 @@ import time
 
 import pytest
 
-from rampart.coalesce import Coalescer
-
-EXPIRED = "expired"
+from rampart.coalesce import Coalescer, ExpiredBeforeSend
 
 
 class Runner:
@@ -28,8 +26,8 @@ class Runner:
         return [("ok", item["name"]) for item in items][: len(items) - self.short_by]
 
 
-def coalescer(runner: Runner, max_items: int = 16, in_flight: int = 1) -> Coalescer:
-    return Coalescer(runner, lambda item: item["deadline"], lambda: EXPIRED, max_items, in_flight)
+def coalescer(runner: Runner, max_items: int = 16, in_flight: int = 1, item_cost_s=lambda: None) -> Coalescer:
+    return Coalescer(runner, lambda item: item["deadline"], max_items, in_flight, item_cost_s)
 
 
 def item(name: str, deadline_s: float = 60.0) -> dict:
@@ -86,10 +84,11 @@ def test_an_item_whose_deadline_passed_while_it_waited_is_dropped_before_the_cal
         await asyncio.sleep(0.01)
         late = asyncio.ensure_future(c.call("square", item("late", deadline_s=0.03)))
         keep = asyncio.ensure_future(c.call("square", item("keep")))
-        return await asyncio.gather(first, late, keep), c.stats
+        return await asyncio.gather(first, late, keep, return_exceptions=True), c.stats
 
     results, stats = asyncio.run(scenario())
-    assert results == [("ok", "a"), EXPIRED, ("ok", "keep")]
+    assert results[0] == ("ok", "a") and results[2] == ("ok", "keep")
+    assert isinstance(results[1], ExpiredBeforeSend) and isinstance(results[1], TimeoutError)  # not runner progress
     assert runner.calls == [("square", ["a"]), ("square", ["keep"])] and stats.expired == 1
 
 
@@ -142,6 +141,21 @@ def test_a_length_mismatch_fails_the_call_and_names_both_lengths():
         asyncio.run(scenario())
 
 
+def test_a_call_carries_no_more_than_the_model_computes_before_the_earliest_deadline_in_it():
+    """At 0.1 s an item, items with 0.35 s left go three to a call, never all six in one late call."""
+    runner = Runner(delay_s=0.02)
+
+    async def scenario():
+        c = coalescer(runner, item_cost_s=lambda: 0.1)
+        first = asyncio.ensure_future(c.call("square", item("a")))
+        await asyncio.sleep(0.005)
+        rest = [asyncio.ensure_future(c.call("square", item(name, deadline_s=0.35))) for name in "bcdefg"]
+        return await asyncio.gather(first, *rest, return_exceptions=True)
+
+    asyncio.run(scenario())
+    assert [len(names) for _, names in runner.calls] == [1, 3, 3]
+
+
 def test_bounds_below_one_are_refused():
     with pytest.raises(ValueError, match="at least 1"):
         coalescer(Runner(), max_items=0)
@@ -171,7 +185,7 @@ def test_the_breaker_counts_one_failure_per_item_of_a_failed_call():
         return [RunnerAnswer(probs=probs, inference_ms=1.0, batch_size=len(items)) for _ in items]
 
     def endpoint(name, resolution, send):
-        c = Coalescer(send, lambda item: item[1], lambda: RunnerAnswer(None, 0.0, 0), max_items=16)
+        c = Coalescer(send, lambda item: item[1], max_items=16)
         return ModelEndpoint(name, "v1", labels, buckets_for_resolution(resolution),
                              lambda bucket, pixels, deadline: c.call(bucket, (pixels, deadline)))
 
