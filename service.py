@@ -43,11 +43,13 @@ from starlette.requests import Request
 
 from rampart.api import oip
 from rampart.api.app import attach, classify_endpoint, create_app, refuse_before_admission, route_error_answered, state_of
-from rampart.api.arrival import bound_inflight, stamp_arrivals
+from rampart.api.arrival import stamp_arrivals
+from rampart.api.connections import RequestGuard, install_guard, install_monitoring
+from rampart.api.monitoring import MonitoringLane
 from rampart.api.bentoml_api import CLASSIFY_API_ROUTE, CLASSIFY_DOC, ClassifyAnswer, ImageUpload, documented
 from rampart.api.bentoml_fixes import (bound_endpoint_labels, cache_io_media_types, cancel_request_timers,
                                       keep_runner_sockets_until_stopped)
-from rampart.api.headlimit import limit_request_heads
+from rampart.api.headlimit import limit_request_heads, serve_behind_front
 from rampart.api.lifecycle import ENTRY_SERVICE_NAME, Lifecycle, all_entry_workers_ready, intercept_exit_signals
 from rampart.api.lifecycle import mark_worker_ready
 from rampart.api.lifecycle import logger as lifecycle_log
@@ -70,6 +72,7 @@ cancel_request_timers()  # BentoML 1.4.29 keeps every request alive for traffic.
 stamp_arrivals()  # deadlines count from each request's first byte: see rampart.api.arrival
 bound_endpoint_labels()  # BentoML labels its traffic metrics with the raw path: see the module
 limit_request_heads()  # uvicorn's httptools protocol accepts request heads of any size: see the module
+serve_behind_front()  # the in-flight and body bounds and client-gone handling, before every middleware
 keep_runner_sockets_until_stopped()  # BentoML's arbiter deletes the runners' sockets at SIGTERM, before the drain
 cache_io_media_types()  # BentoML rebuilds a JSON schema for every response's media type: see the module
 
@@ -118,8 +121,12 @@ async def runner_stats(runner) -> dict | None:
 http_app = create_app(settings)
 
 
-#: Routes whose requests go through admission (``rampart.api.arrival.bound_inflight``, tracing off by default).
+#: Routes whose requests go through admission (``rampart.api.connections.RequestGuard``, tracing off by default).
 ADMITTED_ROUTES = ("/classify", "/classify_batch", f"/v2/models/{oip.MODEL_NAME}/infer", CLASSIFY_API_ROUTE)
+
+
+#: Monitoring routes answered in their own lane (``rampart.api.monitoring``): BentoML's /metrics and Rampart's /stats.
+MONITORING_ROUTES = ("/stats", "/metrics")
 
 
 def accept_backlog() -> int:
@@ -170,7 +177,12 @@ class Rampart:
             decode_pool(settings),
         )
         self.loop_lag = LoopLagMonitor()
-        bound_inflight(self.classifier.inflight_limit, refuse_before_admission(http_app), ADMITTED_ROUTES)
+        refuse = refuse_before_admission(http_app)
+        install_guard(RequestGuard(
+            self.classifier.inflight_limit, refuse, ADMITTED_ROUTES, answer=refuse,
+            body_limit=(lambda: settings.max_receiving_bodies) if settings.max_receiving_bodies else None,
+            min_rate_bps=settings.min_body_rate_bps, grace_s=settings.body_rate_grace_ms / 1000))
+        install_monitoring(MonitoringLane(MONITORING_ROUTES, settings.monitoring_interval_ms / 1000))
         metrics.init_api_series()
         self.lifecycle = Lifecycle()
         self.shadow = None if not settings.shadow_model else ShadowMirror(

@@ -34,7 +34,6 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp
 
 from rampart.api import http, oip
 from rampart.api.lifecycle import Lifecycle
@@ -319,17 +318,24 @@ def finished(request: Request, request_id: str, high: bool, started: float, stat
                 result, **extra)
 
 
-def refuse_before_admission(app: Starlette) -> ASGIApp:
-    """The ASGI app answering 429 ``overloaded`` to a request over the in-flight bound (``rampart.api.arrival``),
-    before any middleware, with ``app``'s classifier's ``Retry-After``."""
+def refuse_before_admission(app: Starlette) -> Callable[..., Awaitable[None]]:
+    """The ASGI app answering in front of every middleware (``rampart.api.connections``), with ``app``'s state:
+    ``refuse(scope, receive, send)`` is the 429 ``overloaded`` for a request over the in-flight bound, with the
+    classifier's ``Retry-After``; ``refuse(scope, receive, send, error)`` answers a request the front door cut
+    (``error``: 408 body too slow, 429 no body place, 499 client gone), with ``Connection: close`` since its
+    body may be unread. Each answer is counted and logged (``failed``)."""
     state = state_of(app)
 
-    async def refuse(scope, receive, send) -> None:
+    async def refuse(scope, receive, send, error: RampartError | None = None) -> None:
         request = Request(scope, receive)
-        error = Overloaded("too many requests in flight; retry later", state.classifier.retry_after_s())
-        if state.shadow is not None:
+        close = error is not None
+        if error is None:
+            error = Overloaded("too many requests in flight; retry later", state.classifier.retry_after_s())
+        if isinstance(error, Overloaded) and state.shadow is not None:
             state.shadow.note_overload()  # mirrors pause while real traffic is shed
         response = failed(request, http.request_id_of(request), False, time.perf_counter(), error)
+        if close:
+            response.headers["Connection"] = "close"
         await response(scope, receive, send)
 
     return refuse
