@@ -36,6 +36,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from rampart.api import http, oip
+from rampart.api.connections import current_guard
 from rampart.api.lifecycle import Lifecycle
 from rampart.config import Settings
 from rampart.cores import usable_cores
@@ -280,7 +281,8 @@ def api_worker(settings: Settings) -> dict:
 
 
 async def stats(request: Request, state: AppState) -> Response:
-    """``GET /stats``: admission queues, measured throughput, breaker state, runner counters.
+    """``GET /stats``: admission queues, measured throughput, breaker state, runner counters, the front door's
+    counts (``connections``: ``RequestGuard.state``, None in-process).
 
     One API worker's view (``api_worker``): its gates, breaker, cache, decoders and
     requests in flight; the runners' counters are the runners' own, shared by all
@@ -292,6 +294,8 @@ async def stats(request: Request, state: AppState) -> Response:
     for role in ("primary", "fallback"):
         body[role]["runner"] = await state.runner_stats(role)
     body["shadow"] = None if state.shadow is None else state.shadow.state()
+    guard = current_guard()
+    body["connections"] = None if guard is None else guard.state()  # the front door (rampart.api.connections)
     return JSONResponse(body)
 
 

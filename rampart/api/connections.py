@@ -190,6 +190,12 @@ class RequestGuard:
         self.cuts: dict[str, int] = {}
         self._wrapped: dict[int, Callable] = {}
 
+    def state(self) -> dict:
+        """For ``GET /stats``: requests ``in_flight`` and ``receiving`` (their body) now, the two ``limit`` s, and
+        ``refused`` (over the in-flight bound) and ``cut`` (by error code) so far."""
+        return {"in_flight": self.inflight, "in_flight_limit": self.limit(), "receiving": len(self.senders),
+                "receiving_limit": self.body_limit(), "refused": self.refused, "cut": dict(self.cuts)}
+
     @property
     def receiving(self) -> int:
         """Requests whose body is still arriving."""

@@ -24,6 +24,7 @@ open for ever (1,000 idle sockets and 100 trickled heads were all still open aft
 from the first byte of the next request on a kept-alive connection, a complete head
 must arrive within ``head_timeout_s`` (setting ``head_timeout_ms``); else the
 connection is closed, after a 408 ``request_timeout`` when part of a head had come.
+So must the rest of a body whose request was answered before it was all in.
 An idle kept-alive connection is closed after ``keep_alive_s`` (setting
 ``keep_alive_timeout_ms``, replacing BentoML's ``--timeout-keep-alive``). Each close
 is counted in ``rampart_connections_closed_total{reason}`` (``head_timeout``, ``idle``).
@@ -107,7 +108,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         if self.cycle is not None and not self.cycle.response_complete:
             self.cycle.keep_alive = False  # a partial head pipelined behind a request: close after its answer
             return
-        if self._head_bytes:
+        if self._in_head and self._head_bytes:
             self._answer(BodyTimeout(f"the request head did not arrive within {self.head_timeout_s * 1000:.0f} ms"),
                          b"408 Request Timeout")
         metrics.CONNECTIONS_CLOSED.labels("head_timeout").inc()
@@ -146,6 +147,14 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_head, self._head_bytes, self._head_tail = True, 0, b""
+        self._stop_head_timer()  # a timer for the rest of an answered body; the next head's starts with its first byte
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self._in_head and not self.transport.is_closing():
+            # Answered before its body was all in (an error, a route that reads none): each byte of the rest
+            # would disarm uvicorn's keep-alive timer, so the rest must come within the head timeout too.
+            self._time_head()
 
     def _refuse(self) -> None:
         """Answer 431 with the JSON error body, count and log it, and close the connection after ``LINGER_S``."""

@@ -102,6 +102,8 @@ def test_slow_bodies_beyond_the_in_flight_bound_cannot_shed_ordinary_uploads(ser
     for sock in slow:
         sock.sendall(head)
     time.sleep(0.7)  # all arrived, the first ones old enough to give their place up
+    front = httpx.get(f"{server.url}/stats", timeout=30).json()["connections"]
+    assert 0 < front["receiving"] <= front["receiving_limit"] < limit and front["in_flight"] < limit, front
     answers = [ordinary(server, 5000) for _ in range(5)]
     assert [a.status_code for a in answers] == [200] * 5, [a.text[:200] for a in answers]
     assert all(a.json()["degraded"] is False for a in answers)

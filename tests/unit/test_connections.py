@@ -348,6 +348,14 @@ def test_a_trickled_head_is_closed_with_a_408_whether_or_not_a_request_came_befo
     assert took < NEVER_S and b"HTTP/1.1 408 " in reply
 
 
+def test_the_trickled_rest_of_an_answered_body_is_closed_after_the_head_timeout(timed_server):
+    """``hello`` answers without reading the body: the rest, a byte at a time, would disarm the keep-alive timer."""
+    with timed_server.connect() as sock:
+        sock.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\nab")
+        took, reply = closed_after(sock, b"c" * 200)
+    assert took < NEVER_S and reply.startswith(b"HTTP/1.1 200 ") and b"408" not in reply
+
+
 def test_an_idle_keep_alive_connection_is_closed_and_a_busy_one_is_not(timed_server):
     with timed_server.connect() as sock:
         get(sock)
