@@ -108,11 +108,17 @@ def model_endpoint(tag: str, runner) -> ModelEndpoint:
     )
 
 
+#: Longest wait for a runner's counters (s): a hung runner must not hold ``GET /stats`` for its whole timeout.
+RUNNER_STATS_TIMEOUT_S = 2.0
+
+
 async def runner_stats(runner) -> dict | None:
-    """A runner's ``stats`` API (warm-up speed, TTL drops), or None while it cannot answer."""
+    """A runner's ``stats`` API (warm-up speed, TTL drops), or None while it cannot answer within
+    ``RUNNER_STATS_TIMEOUT_S``."""
     try:
         remote = getattr(runner, "to_async", None)
-        return await remote.stats() if remote is not None else await runner.stats()
+        ask = remote.stats() if remote is not None else runner.stats()
+        return await asyncio.wait_for(ask, RUNNER_STATS_TIMEOUT_S)
     except Exception as exc:
         logger.info("runner stats unavailable: %s", exc)
         return None

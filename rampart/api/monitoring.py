@@ -6,8 +6,9 @@ the one that reads uploads and answers. Scraped in 20 loops, they raised ordinar
 P50/P95 from 44/48 ms to 300/450 ms. ``MonitoringLane`` (in front of every middleware,
 ``rampart.api.connections.front``) bounds what they can cost, whoever asks how often:
 
-- one answer is made at a time in this worker, and each (path, query, ``Accept``) at
-  most once per ``interval_s`` (setting ``monitoring_interval_ms``, 250: four a second);
+- each (path, query, ``Accept``) has one answer made at a time, at most once per
+  ``interval_s`` (setting ``monitoring_interval_ms``, 250: four a second), so a slow
+  ``/stats`` (a runner that does not answer) holds up no ``/metrics``;
 - every request waiting when an answer starts to be made gets that answer (its status,
   headers and body replayed): an answer is never older than its request, so a scrape
   right after a request sees it, and a storm of scrapers costs one answer per interval;
@@ -27,7 +28,10 @@ from starlette.responses import JSONResponse
 
 from rampart.errors import Overloaded
 
-__all__ = ["MonitoringLane"]
+__all__ = ["MAX_KEYS", "MonitoringLane"]
+
+#: Keys (path, query, ``Accept``) kept before the old ones are dropped: the query and header come from clients.
+MAX_KEYS = 64
 
 
 class MonitoringLane:
@@ -44,7 +48,7 @@ class MonitoringLane:
         self.made = self.served = self.refused = 0
         self._next: dict[tuple, asyncio.Task] = {}  # per key, the answer not started yet that newcomers wait for
         self._last: dict[tuple, float] = {}  # per key, when its last answer started
-        self._lock: asyncio.Lock | None = None
+        self._locks: dict[tuple, asyncio.Lock] = {}  # one answer at a time per key
 
     def wants(self, scope: dict) -> bool:
         """Whether this lane answers the request of ``scope``."""
@@ -61,6 +65,8 @@ class MonitoringLane:
             return await response(scope, receive, send)
         made = self._next.get(key)
         if made is None:
+            if len(self._last) > MAX_KEYS:
+                self._forget_old_keys()
             made = self._next[key] = asyncio.get_running_loop().create_task(self._make(key, app, scope))
         self.waiting += 1
         try:
@@ -71,15 +77,20 @@ class MonitoringLane:
         for message in messages:
             await send(message)
 
+    def _forget_old_keys(self) -> None:
+        """Drop what is kept for keys whose interval is over and that nobody waits for (queries are the client's)."""
+        now = self.clock()
+        for key in [k for k, at in self._last.items() if at + self.interval_s < now and k not in self._next
+                    and not self._locks[k].locked()]:
+            del self._last[key], self._locks[key]
+
     async def _make(self, key: tuple, app: Callable, scope: dict) -> list[dict]:
         """``app``'s answer for ``scope`` as ASGI messages, made when the lane is free and the key's interval is over."""
-        if self._lock is None:
-            self._lock = asyncio.Lock()
         try:
             wait_s = self._last.get(key, float("-inf")) + self.interval_s - self.clock()
             if wait_s > 0:
                 await asyncio.sleep(wait_s)
-            async with self._lock:
+            async with self._locks.setdefault(key, asyncio.Lock()):
                 return await self._make_now(key, app, scope)
         finally:
             if self._next.get(key) is asyncio.current_task():  # it failed before it started
@@ -87,7 +98,7 @@ class MonitoringLane:
 
     async def _make_now(self, key: tuple, app: Callable, scope: dict) -> list[dict]:
         del self._next[key]  # from here on, a newcomer waits for the next answer: this one may predate it
-        self._last[key] = self.clock()
+        self._last[key] = self.clock()  # set under the key's lock, which _forget_old_keys checks
         self.made += 1
         messages: list[dict] = []
         asked = False

@@ -425,3 +425,21 @@ def test_monitoring_answers_are_made_once_per_interval_shared_and_never_older_th
     assert {body for _, body in storm} == {b"1"} and {body for _, body in later} == {b"2"}
     assert made[1] - made[0] >= 0.2 and all(asked <= made[1] for asked, _ in later)  # fresh for its requests
     assert refused == 429 and lane.refused == 1 and lane.made == 3
+
+
+def test_monitoring_keeps_a_bounded_state_whatever_queries_clients_send(monkeypatch):
+    from rampart.api import monitoring
+
+    monkeypatch.setattr(monitoring, "MAX_KEYS", 8)
+
+    async def scenario():
+        lane = monitoring.MonitoringLane(["/metrics"], interval_s=0.0)
+        for i in range(100):
+            channel = Channel("/metrics")
+            channel.scope.update(method="GET", query_string=b"name[]=x%d" % i)
+            await lane.handle(hello, channel.scope, channel.receive, channel.send)
+            assert channel.status == 200
+        return lane
+
+    lane = asyncio.run(scenario())
+    assert lane.made == 100 and len(lane._last) <= 9 and len(lane._locks) <= 9
