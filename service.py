@@ -109,7 +109,7 @@ def model_endpoint(tag: str, runner) -> ModelEndpoint:
 
 
 #: Longest wait for a runner's counters (s): a hung runner must not hold ``GET /stats`` for its whole timeout.
-RUNNER_STATS_TIMEOUT_S = 2.0
+RUNNER_STATS_TIMEOUT_S = 5.0
 
 
 async def runner_stats(runner) -> dict | None:
