@@ -100,7 +100,7 @@ class Settings(BaseModel):
     keep_alive_timeout_ms: int = Field(5_000, gt=0)
     # GET /stats and /metrics (rampart.api.monitoring): each answer made at most once per this interval per API
     # worker, shared by every request waiting for it.
-    monitoring_interval_ms: int = Field(250, ge=0)
+    monitoring_interval_ms: int = Field(500, ge=0)
 
     # Deadlines (X-Deadline-Ms), end to end.
     default_deadline_ms: int = Field(1000, gt=0)

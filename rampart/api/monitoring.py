@@ -7,7 +7,7 @@ P50/P95 from 44/48 ms to 300/450 ms. ``MonitoringLane`` (in front of every middl
 ``rampart.api.connections.front``) bounds what they can cost, whoever asks how often:
 
 - each (path, query, ``Accept``) has one answer made at a time, at most once per
-  ``interval_s`` (setting ``monitoring_interval_ms``, 250: four a second), so a slow
+  ``interval_s`` (setting ``monitoring_interval_ms``, 500: twice a second), so a slow
   ``/stats`` (a runner that does not answer) holds up no ``/metrics``;
 - every request waiting when an answer starts to be made gets that answer (its status,
   headers and body replayed): an answer is never older than its request, so a scrape
@@ -38,7 +38,7 @@ class MonitoringLane:
     """``GET`` requests to ``paths``, answered as the module doc says; ``made`` counts the answers made by the app,
     ``served`` the requests answered, ``refused`` those over ``max_waiting``."""
 
-    def __init__(self, paths: Collection[str], interval_s: float = 0.25, max_waiting: int = 256,
+    def __init__(self, paths: Collection[str], interval_s: float = 0.5, max_waiting: int = 256,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.paths = frozenset(paths)
         self.interval_s = interval_s

@@ -191,25 +191,26 @@ def latencies_ms(server, n: int) -> list[float]:
 
 
 def test_a_scrape_storm_does_not_slow_classification(server):
-    """20 loops of /stats and 20 of /metrics: ordinary P95 stays within 1.5x of its value without them, and every
-    scrape is answered."""
+    """20 loops each scraping /stats then /metrics: ordinary P95 stays within 1.5x of its value without them (before
+    and after the storm, pooled: the host's other load drifts), and every scrape is answered."""
     import threading
 
     import numpy as np
 
     latencies_ms(server, 5)  # warm
-    calm = latencies_ms(server, 80)
+    before = latencies_ms(server, 60)
     stop, scrapes, failures = threading.Event(), [0], []
 
-    def scrape_loop(path: str) -> None:
+    def scrape_loop() -> None:
         with httpx.Client(base_url=server.url, timeout=30) as client:
             while not stop.is_set():
-                response = client.get(path)
-                if response.status_code != 200:
-                    failures.append((path, response.status_code))
-                scrapes[0] += 1
+                for path in ("/stats", "/metrics"):
+                    response = client.get(path)
+                    if response.status_code != 200:
+                        failures.append((path, response.status_code))
+                    scrapes[0] += 1
 
-    loops = [threading.Thread(target=scrape_loop, args=(path,)) for path in ["/stats", "/metrics"] * 20]
+    loops = [threading.Thread(target=scrape_loop) for _ in range(20)]
     for loop in loops:
         loop.start()
     try:
@@ -219,6 +220,7 @@ def test_a_scrape_storm_does_not_slow_classification(server):
         stop.set()
         for loop in loops:
             loop.join()
+    calm = before + latencies_ms(server, 60)
     calm_p95, stormy_p95 = np.percentile(calm, 95), np.percentile(stormy, 95)
     report = {"calm_p50_p95": (np.median(calm), calm_p95), "stormy_p50_p95": (np.median(stormy), stormy_p95),
               "scrapes": scrapes[0]}
