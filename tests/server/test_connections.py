@@ -60,8 +60,9 @@ def ordinary(server, deadline_ms: int = 2000) -> httpx.Response:
 
 def test_a_mass_hang_up_gives_every_place_back_and_the_primary_answers_the_next_upload(server):
     """300 uploads with long deadlines sent raw, then their clients close: the decode queue, the models' gates and
-    the in-flight count are empty 100 ms later, and an ordinary upload is the primary's full answer as soon as the
-    model has finished what it had already been sent."""
+    the in-flight count are empty within a second (100 ms on a quiet host; without the fix over a hundred stayed
+    in flight for seconds), and an ordinary upload is the primary's full answer as soon as the model has finished
+    what it had already been sent."""
     assert ordinary(server).status_code == 200
     before = scrape(server)
     request = raw_upload(encode(photo("chelsea")), 30_000)
@@ -72,8 +73,11 @@ def test_a_mass_hang_up_gives_every_place_back_and_the_primary_answers_the_next_
     loaded = httpx.get(f"{server.url}/stats", timeout=30).json()
     for sock in sockets:
         sock.close()
-    time.sleep(0.1)
-    stats = httpx.get(f"{server.url}/stats", timeout=30).json()
+    for _ in range(10):  # every 100 ms for a second: empty at the first look on a quiet host
+        time.sleep(0.1)
+        stats = httpx.get(f"{server.url}/stats", timeout=30).json()
+        if stats["lifecycle"]["in_flight"] == stats["decode_pending"] == stats["primary"]["queued"] == 0:
+            break
     # What the gate had already dispatched (at most its window) is the model's to finish: wait for that.
     for _ in range(100):
         if total(scrape(server), "rampart_inflight_batches", model="primary") == 0:
