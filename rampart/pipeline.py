@@ -190,7 +190,7 @@ class Classifier:
         return min(lane.gate.retry_after_s() for lane in self.order)
 
     def inflight_limit(self) -> int:
-        """Most ``/classify`` requests one API worker lets in at once (``rampart.api.arrival.bound_inflight``).
+        """Most ``/classify`` requests one API worker lets in at once (``rampart.api.connections.RequestGuard``).
 
         Twice the places the routing's gates have (dispatch window + queue limit of each):
         up to one request per place holds it, and as many again may be reading
