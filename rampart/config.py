@@ -137,8 +137,10 @@ class Settings(BaseModel):
     fallback_concurrent_batches: int = Field(1, ge=1)
     # Batching before the runner boundary (rampart.coalesce): images bound for one bucket of one runner
     # that wait in an API worker go in one call when a call for that bucket returns, at most
-    # runner_calls_in_flight calls out per bucket. Off: one call per image (the A/B arm).
-    runner_coalescing: bool = True
+    # runner_calls_in_flight calls out per bucket. Off by default: it cut serving CPU by a fifth with a
+    # near-free model, but with the CPU primary it failed three overload and fault tests
+    # (docs/serving-cost.md); off is one call per image.
+    runner_coalescing: bool = False
     runner_calls_in_flight: int = Field(1, ge=1)
     primary_queue_delay_ms: int = Field(200, gt=0)
     fallback_queue_delay_ms: int = Field(200, gt=0)
