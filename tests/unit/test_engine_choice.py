@@ -1,0 +1,209 @@
+"""The primary's engine choice, the warm-up sizes and ONNX Runtime's session settings (inference.engine_choice,
+inference.engines, runners.common). Stand-in engines of known speed; real ONNX Runtime sessions on a tiny model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from inference.engine_choice import (available_engines, best_size, candidate_sizes, choose_engine, time_batch_sizes,
+                                     time_engines, warm_up_sizes)
+from inference.engines import OnnxClassifier, session_options
+from tests.support import ROOT
+
+SHAPE = (8, 8, 3)
+
+
+class KnownSpeed:
+    """A stand-in engine whose batch of n images takes ``fixed_ms + n × per_image_ms`` (slept), with a
+    slowdown past ``knee`` images (a CPU's caches overflowing). ``sizes`` records every batch size run."""
+
+    def __init__(self, fixed_ms: float, per_image_ms: float, knee: int = 1 << 30, past_knee_ms: float = 0.0) -> None:
+        self.fixed_ms, self.per_image_ms, self.knee, self.past_knee_ms = fixed_ms, per_image_ms, knee, past_knee_ms
+        self.sizes: list[int] = []
+
+    def predict(self, batch: np.ndarray) -> np.ndarray:
+        n = len(batch)
+        self.sizes.append(n)
+        time.sleep((self.fixed_ms + n * self.per_image_ms + max(0, n - self.knee) * self.past_knee_ms) / 1000)
+        return np.full((n, 4), 0.25, dtype=np.float32)
+
+
+def measured(engines: dict[str, KnownSpeed]):
+    """A ``measure`` for ``choose_engine`` that really times the stand-ins (and records what it was asked)."""
+    asked = []
+
+    def measure(names):
+        asked.append(tuple(names))
+        return time_engines({name: engines[name].predict for name in names}, SHAPE, candidate_sizes(8), runs=1)
+
+    return measure, asked
+
+
+@pytest.mark.parametrize("faster", ["torch", "onnx"])
+def test_auto_on_a_cpu_host_runs_the_engine_faster_per_image(faster):
+    slower = "onnx" if faster == "torch" else "torch"
+    engines = {faster: KnownSpeed(fixed_ms=16, per_image_ms=2), slower: KnownSpeed(fixed_ms=16, per_image_ms=8)}
+    measure, asked = measured(engines)
+    choice = choose_engine("auto", ("torch", "onnx"), gpu=False, measure=measure)
+    assert asked == [("torch", "onnx")]
+    assert choice.engine == faster
+    ms = choice.ms_per_image()
+    assert ms[faster] < ms[slower]
+    # at its compute batch size: the fixed cost is shared, so the largest batch is fastest per image
+    assert choice.compute_batch_size() == {"torch": 8, "onnx": 8}
+    assert 4 <= ms[faster] < 6 and ms[slower] >= 10  # 16/8 + 2 and 16/8 + 8
+    stats = choice.as_stats()
+    assert stats["engine"] == faster and stats["mode"] == "auto" and set(stats["ms_per_image"]) == {"torch", "onnx"}
+    assert "faster per image" in stats["reason"] and f"{faster} {ms[faster]:.1f} ms/image" in stats["reason"]
+
+
+def test_each_engine_is_judged_at_its_own_compute_batch_size():
+    # torch is best at batch 1 (it slows past one image); onnx at batch 8. Per image at batch 8 torch would
+    # lose, at batch 1 it wins: the choice compares each at its own fastest size.
+    engines = {"torch": KnownSpeed(fixed_ms=0, per_image_ms=3, knee=1, past_knee_ms=10),
+               "onnx": KnownSpeed(fixed_ms=20, per_image_ms=2)}
+    measure, _ = measured(engines)
+    choice = choose_engine("auto", ("torch", "onnx"), gpu=False, measure=measure)
+    assert choice.compute_batch_size() == {"torch": 1, "onnx": 8}
+    assert choice.engine == "torch", choice.as_stats()
+
+
+@pytest.mark.parametrize("mode", ["torch", "onnx"])
+def test_a_forced_engine_is_not_measured(mode):
+    measure, asked = measured({"torch": KnownSpeed(0, 1), "onnx": KnownSpeed(0, 1)})
+    choice = choose_engine(mode, ("torch", "onnx"), gpu=False, measure=measure)
+    assert (choice.engine, asked, choice.timings) == (mode, [], {})
+    assert choice.reason == f"RAMPART_PRIMARY_ENGINE={mode}"
+
+
+def test_auto_on_a_gpu_host_keeps_torch_without_measuring():
+    measure, asked = measured({"torch": KnownSpeed(0, 9), "onnx": KnownSpeed(0, 1)})
+    choice = choose_engine("auto", ("torch", "onnx"), gpu=True, measure=measure)
+    assert (choice.engine, asked) == ("torch", [])
+    assert "GPU" in choice.reason
+    assert choose_engine("onnx", ("torch", "onnx"), gpu=True, measure=measure).engine == "onnx"  # the CUDA provider
+
+
+@pytest.mark.parametrize("mode", ["auto", "onnx"])
+def test_a_stored_primary_without_an_export_runs_on_torch(mode):
+    meta = {"framework": "pytorch", "family": "timm", "arch": "x"}  # what the import wrote before the export
+    assert available_engines(meta) == ("torch",)
+    measure, asked = measured({"torch": KnownSpeed(0, 9), "onnx": KnownSpeed(0, 1)})
+    choice = choose_engine(mode, available_engines(meta), gpu=False, measure=measure)
+    assert (choice.engine, asked) == ("torch", [])
+    if mode == "onnx":
+        assert "no ONNX export" in choice.reason
+
+
+def test_available_engines_follow_the_metadata():
+    assert available_engines({"framework": "onnx"}) == ("onnx",)
+    assert available_engines({"framework": "pytorch", "onnx_file": "model.onnx"}) == ("torch", "onnx")
+    assert available_engines({"framework": "pytorch", "onnx_file": ""}) == ("torch",)  # the export failed
+
+
+def test_a_failed_measurement_leaves_the_models_own_engine():
+    def broken(names):
+        raise RuntimeError("child exited with 1")
+
+    choice = choose_engine("auto", ("torch", "onnx"), gpu=False, measure=broken)
+    assert choice.engine == "torch" and "could not be timed" in choice.reason and "child exited" in choice.reason
+    with pytest.raises(ValueError, match="engine mode"):
+        choose_engine("tensorrt", ("torch",), gpu=False, measure=broken)
+
+
+def test_timing_is_bounded_and_takes_turns():
+    a, b = KnownSpeed(0, 0.1), KnownSpeed(0, 0.1)
+    time_engines({"a": a.predict, "b": b.predict}, SHAPE, [1, 2, 4], runs=2)
+    assert a.sizes == b.sizes == [1, 1, 1, 2, 2, 2, 4, 4, 4]  # one untimed run and two timed, per size
+
+
+def test_candidate_and_warm_up_sizes():
+    assert candidate_sizes(16) == [1, 2, 4, 8, 16]
+    assert candidate_sizes(12) == [1, 2, 4, 8, 12]
+    assert warm_up_sizes(1) == [1]
+    assert warm_up_sizes(2) == [1, 2]
+    assert warm_up_sizes(4) == [1, 2, 4]
+    assert warm_up_sizes(6) == [1, 2, 4, 6]
+    assert best_size({1: 9.0, 2: 5.0, 4: 6.0}) == 2
+
+
+def test_warm_up_runs_no_batch_larger_than_the_compute_size():
+    """A runner computes in chunks of its fastest size, so after timing the candidates (square bucket only)
+    it warms every bucket at the sizes up to that one, and never a larger one."""
+    from rampart.inputs.buckets import buckets_for_resolution
+    from runners.common import BucketedRunner
+
+    runner = BucketedRunner()
+    runner.buckets = buckets_for_resolution(16)
+    runner.max_batch_size = 16
+    runner.engine = KnownSpeed(fixed_ms=4, per_image_ms=1, knee=4, past_knee_ms=5)  # fastest at 4: 2 ms/image
+    runner.engine.shapes = []
+    predict = runner.engine.predict
+    runner.engine.predict = lambda batch: (runner.engine.shapes.append(batch.shape), predict(batch))[1]
+    runner.warm_up()
+    assert runner.compute_batch_size == 4 and runner.warmed_sizes == [1, 2, 4]
+    timing, warming = runner.engine.shapes[:15], runner.engine.shapes[15:]  # 5 sizes x 3 runs on the square bucket
+    assert {s[1:3] for s in timing} == {(16, 16)} and sorted({s[0] for s in timing}) == [1, 2, 4, 8, 16]
+    assert sorted(warming) == sorted((n, *b.shape) for b in runner.buckets.values() for n in (1, 2, 4))
+    assert runner.warmup_ms_per_image == pytest.approx(2.0, abs=1.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_onnx(tmp_path_factory) -> str:
+    import torch
+
+    path = tmp_path_factory.mktemp("onnx") / "tiny.onnx"
+    module = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                                 torch.nn.Linear(8, 5)).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, torch.zeros(1, 3, 16, 16), str(path), opset_version=17, dynamo=False,
+                          input_names=["input"], output_names=["logits"],
+                          dynamic_axes={"input": {0: "batch", 2: "h", 3: "w"}})
+    return str(path)
+
+
+def test_onnx_session_settings():
+    options = session_options(ort)
+    assert options.enable_cpu_mem_arena and options.enable_mem_pattern
+    assert options.log_severity_level == 3
+
+
+def test_onnx_engine_uses_the_settings_and_gives_back_its_arena(tiny_onnx):
+    engine = OnnxClassifier(tiny_onnx, 127.0, 128.0, threads=1)
+    applied = engine.session.get_session_options()
+    assert applied.enable_cpu_mem_arena and applied.enable_mem_pattern and applied.intra_op_num_threads == 1
+    assert applied.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    batch = np.random.default_rng(0).integers(0, 256, (3, 16, 16, 3), dtype=np.uint8)
+    before = engine.predict(batch)
+    engine.release_memory((16, 16, 3))  # the arena-shrinking run
+    np.testing.assert_allclose(engine.predict(batch), before, rtol=1e-6)  # and serving goes on unchanged
+
+
+def test_an_onnx_only_process_never_imports_torch(tiny_onnx):
+    """The fallback runner's engine path (load, GPU check, thread rule, timing) without torch in the process."""
+    code = f"""
+import sys
+from types import SimpleNamespace
+import runners.common as common
+from inference.engine_choice import time_batch_sizes
+from inference.engines import cuda_present
+from inference.stored import load_engine
+model = SimpleNamespace(info=SimpleNamespace(metadata={{"framework": "onnx", "mean": 127.0, "std": 128.0}}),
+                        path_of=lambda name: {tiny_onnx!r}, tag="tiny")
+engine = load_engine(model, 0.9, 1)
+time_batch_sizes(engine.predict, (16, 16, 3), [1, 2])
+cuda_present()
+common.engine_cpu_threads(common.runner_spec(common.get_settings(), "fallback"))
+print(sorted(name for name in sys.modules if name == "torch" or name.startswith(("torch.", "timm", "torchvision"))))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[]"
