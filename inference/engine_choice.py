@@ -39,6 +39,8 @@ logger.setLevel(logging.INFO)  # BentoML's server logging passes only WARNING an
 
 #: Values of ``RAMPART_PRIMARY_ENGINE``.
 ENGINE_MODES = ("auto", "torch", "onnx")
+#: Batch sizes within this fraction of the fewest ms per image count as equally fast (``best_size``).
+SIZE_TOLERANCE = 0.05
 #: Longest a child process may take to load and time one engine (s); past it that engine is not chosen.
 MEASURE_TIMEOUT_S = 240.0
 
@@ -87,9 +89,17 @@ def time_batch_sizes(predict: Callable[[np.ndarray], np.ndarray], shape: tuple[i
     return time_engines({"engine": predict}, shape, sizes, runs)["engine"]
 
 
-def best_size(timings: dict[int, float]) -> int:
-    """The batch size with the fewest ms per image in ``timings`` (``time_batch_sizes``)."""
-    return min(timings, key=timings.get)
+def best_size(timings: dict[int, float], tolerance: float = SIZE_TOLERANCE) -> int:
+    """The compute batch size from ``timings`` (ms per image by size, ``time_batch_sizes``): the smallest
+    size within ``tolerance`` (a fraction) of the fewest ms per image.
+
+    Sizes within a few percent of each other per image are a tie on a host shared with other
+    work (their order changes from one start to the next); the smallest of them answers
+    sooner and needs the least memory (ONNX Runtime's arena keeps the peak of the largest
+    batch computed).
+    """
+    fastest = min(timings.values())
+    return min(size for size, ms in timings.items() if ms <= fastest * (1.0 + tolerance))
 
 
 def available_engines(metadata: dict) -> tuple[str, ...]:

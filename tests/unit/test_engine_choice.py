@@ -3,6 +3,7 @@ inference.engines, runners.common). Stand-in engines of known speed; real ONNX R
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
@@ -132,6 +133,8 @@ def test_candidate_and_warm_up_sizes():
     assert warm_up_sizes(4) == [1, 2, 4]
     assert warm_up_sizes(6) == [1, 2, 4, 6]
     assert best_size({1: 9.0, 2: 5.0, 4: 6.0}) == 2
+    assert best_size({1: 9.0, 2: 5.1, 4: 5.0}) == 2  # within 5% per image: the smaller size
+    assert best_size({1: 9.0, 2: 5.5, 4: 5.0}) == 4
 
 
 def test_warm_up_runs_no_batch_larger_than_the_compute_size():
@@ -207,3 +210,46 @@ print(sorted(name for name in sys.modules if name == "torch" or name.startswith(
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_primary_stored_without_an_export_runs_on_torch_and_says_so(caplog):
+    """What the runner does with a store made by the import before the ONNX export existed."""
+    from types import SimpleNamespace
+
+    from rampart.config import Settings
+    from runners.common import pick_engine, runner_spec
+
+    settings = Settings(primary_engine="auto")
+    model = SimpleNamespace(tag="rampart-primary:old", path="/nowhere",
+                            info=SimpleNamespace(metadata={"framework": "pytorch", "family": "timm", "arch": "x"}))
+    with caplog.at_level(logging.INFO, logger="rampart.engines"):
+        choice = pick_engine(runner_spec(settings, "primary"), model, settings, 1, SHAPE)
+    assert choice.engine == "torch" and choice.timings == {}
+    warnings_ = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings_) == 1 and "rampart-primary:old has no ONNX export" in warnings_[0]
+    assert "models.import_models" in warnings_[0]
+    assert any("primary runner: engine torch" in r.getMessage() for r in caplog.records)
+
+
+def test_the_export_check_fails_on_a_gap_or_another_top1():
+    """``check_export`` on the real sample photos with stand-in engines: within 1e-4 and the same top-1 passes."""
+    from models.import_models import EXPORT_MAX_ABS_DIFF, check_export
+
+    def reference(batch):
+        probs = np.full((len(batch), 10), 0.05, dtype=np.float32)
+        probs[:, 3] = 0.55
+        return probs
+
+    def shifted(gap, to=3):
+        def predict(batch):
+            probs = reference(batch)
+            probs[:, 4] += gap
+            probs[:, to] += 0.0 if to == 3 else 0.6
+            return probs
+        return predict
+
+    assert check_export("m", reference, shifted(0.5 * EXPORT_MAX_ABS_DIFF), 32) <= EXPORT_MAX_ABS_DIFF
+    with pytest.raises(SystemExit, match=r"disagrees with PyTorch on chelsea \(square\).*2\.00e-04"):
+        check_export("m", reference, shifted(2 * EXPORT_MAX_ABS_DIFF), 32)
+    with pytest.raises(SystemExit, match="top-1 7 against 3"):
+        check_export("m", reference, shifted(0.0, to=7), 32, max_abs_diff=1.0)
