@@ -40,7 +40,7 @@ logger.setLevel(logging.INFO)  # BentoML's server logging passes only WARNING an
 #: Values of ``RAMPART_PRIMARY_ENGINE``.
 ENGINE_MODES = ("auto", "torch", "onnx")
 #: Batch sizes within this fraction of the fewest ms per image count as equally fast (``best_size``).
-SIZE_TOLERANCE = 0.05
+SIZE_TOLERANCE = 0.10
 #: Longest a child process may take to load and time one engine (s); past it that engine is not chosen.
 MEASURE_TIMEOUT_S = 240.0
 
@@ -65,19 +65,20 @@ def time_engines(predicts: dict[str, Callable[[np.ndarray], np.ndarray]], shape:
     """ms per image of each engine at each batch size: one untimed run, then the best of ``runs``.
 
     ``predicts`` maps a name to a ``predict`` that takes uint8 N×H×W×3 (``shape`` is H×W×3);
-    the batches are zeros. The engines take turns run by run, so a burst of load from
-    elsewhere on the host slows them alike. The cost is bounded: (1 + ``runs``) ×
+    the batches are zeros. After one untimed run of every size, each timed round runs every
+    size on every engine in turn, so a burst of load from elsewhere on the host slows them alike. The cost is bounded: (1 + ``runs``) ×
     sum(``sizes``) images per engine.
     """
     out: dict[str, dict[int, float]] = {name: {} for name in predicts}
+    batches = {size: np.zeros((size, *shape), dtype=np.uint8) for size in sizes}
     for size in sizes:
-        batch = np.zeros((size, *shape), dtype=np.uint8)
         for predict in predicts.values():
-            predict(batch)
-        for _ in range(runs):
+            predict(batches[size])
+    for _ in range(runs):  # sizes and engines in turns, so a burst of load elsewhere lands on no one of them alone
+        for size in sizes:
             for name, predict in predicts.items():
                 start = time.perf_counter()
-                predict(batch)
+                predict(batches[size])
                 ms = (time.perf_counter() - start) * 1000.0 / size
                 out[name][size] = min(out[name].get(size, ms), ms)
     return out
@@ -133,9 +134,12 @@ class EngineChoice:
         return {name: best_size(t) for name, t in self.timings.items()}
 
     def as_stats(self) -> dict:
-        """The choice for ``/stats``: engine, mode, reason, ms_per_image and compute_batch_size per engine."""
+        """The choice for ``/stats``: engine, mode, reason, and per engine measured its ms_per_image and
+        compute_batch_size, and ms_per_image_by_batch_size (keys: batch sizes as strings)."""
         return {"engine": self.engine, "mode": self.mode, "reason": self.reason,
-                "ms_per_image": self.ms_per_image(), "compute_batch_size": self.compute_batch_size()}
+                "ms_per_image": self.ms_per_image(), "compute_batch_size": self.compute_batch_size(),
+                "ms_per_image_by_batch_size": {name: {str(size): round(ms, 3) for size, ms in t.items()}
+                                               for name, t in self.timings.items()}}
 
 
 def choose_engine(mode: str, available: tuple[str, ...], gpu: bool,

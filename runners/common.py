@@ -145,7 +145,7 @@ class BucketedRunner:
         ``timings`` (ms per image by batch size, ``inference.engine_choice.time_batch_sizes``):
         when None, every size of ``candidate_sizes(max_batch_size)`` is timed here on the
         square bucket (one untimed run, best of two). ``compute_batch_size`` is the size with
-        the most images per second (the smallest within 5% of it: ``best_size``), and ``run_bucket`` computes larger adaptive batches in
+        the most images per second (the smallest within 10% of it: ``best_size``), and ``run_bucket`` computes larger adaptive batches in
         chunks of it, so only ``warm_up_sizes(compute_batch_size)`` are then run on every
         bucket: the first real request never pays for kernel selection or allocation, and no
         larger batch ever reaches the engine. On a GPU the compute size is normally the

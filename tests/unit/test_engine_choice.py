@@ -122,7 +122,7 @@ def test_a_failed_measurement_leaves_the_models_own_engine():
 def test_timing_is_bounded_and_takes_turns():
     a, b = KnownSpeed(0, 0.1), KnownSpeed(0, 0.1)
     time_engines({"a": a.predict, "b": b.predict}, SHAPE, [1, 2, 4], runs=2)
-    assert a.sizes == b.sizes == [1, 1, 1, 2, 2, 2, 4, 4, 4]  # one untimed run and two timed, per size
+    assert a.sizes == b.sizes == [1, 2, 4, 1, 2, 4, 1, 2, 4]  # one untimed run, then two timed rounds over the sizes
 
 
 def test_candidate_and_warm_up_sizes():
@@ -133,8 +133,8 @@ def test_candidate_and_warm_up_sizes():
     assert warm_up_sizes(4) == [1, 2, 4]
     assert warm_up_sizes(6) == [1, 2, 4, 6]
     assert best_size({1: 9.0, 2: 5.0, 4: 6.0}) == 2
-    assert best_size({1: 9.0, 2: 5.1, 4: 5.0}) == 2  # within 5% per image: the smaller size
-    assert best_size({1: 9.0, 2: 5.5, 4: 5.0}) == 4
+    assert best_size({1: 9.0, 2: 5.4, 4: 5.0}) == 2  # within 10% per image: the smaller size
+    assert best_size({1: 9.0, 2: 5.6, 4: 5.0}) == 4
 
 
 def test_warm_up_runs_no_batch_larger_than_the_compute_size():
