@@ -152,17 +152,13 @@ class BucketedRunner:
         largest; on a CPU often a small one (on the 2-core CI machine EfficientNet-Lite2 in
         PyTorch does 89 images/s at batch 2 and 51 at 16). ``warmup_ms_per_image`` at that
         size seeds the entry service's throughput estimate
-        (``rampart.overload.admission.ThroughputMeter``). Afterwards the engine gives back
-        what timing the larger sizes left in its memory arena (``release_memory``) and the
-        C heap is trimmed (``release_heap``).
+        (``rampart.overload.admission.ThroughputMeter``). Afterwards the C heap is trimmed
+        (``release_heap``): what the timing's larger batches left goes back to the system.
         """
         started = time.perf_counter()
         square = self.buckets["square"].shape
         if timings is None:
             timings = time_batch_sizes(self.engine.predict, square, candidate_sizes(self.max_batch_size))
-            release = getattr(self.engine, "release_memory", None)
-            if release is not None:
-                release(square)
         self.compute_batch_size = best_size(timings)
         self.warmup_ms_per_image = timings[self.compute_batch_size]
         self.warmed_sizes = warm_up_sizes(self.compute_batch_size)
