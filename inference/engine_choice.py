@@ -191,9 +191,14 @@ def measure_in_child(model_path: str, metadata: dict, engines: tuple[str, ...], 
     """
     request = {"model_path": model_path, "metadata": metadata, "engines": list(engines), "threads": threads,
                "shape": list(shape), "sizes": sizes, "memory_fraction": memory_fraction, "runs": runs}
+    import os
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)  # the directory holding the ``inference`` package
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     try:
         out = subprocess.run([sys.executable, "-m", "inference.engine_choice"], input=json.dumps(request),
-                             capture_output=True, text=True, timeout=timeout_s)
+                             capture_output=True, text=True, timeout=timeout_s, cwd=root, env=env)
     except subprocess.TimeoutExpired:
         raise RuntimeError(f"timing took over {timeout_s:.0f} s") from None
     if out.returncode != 0:

@@ -256,3 +256,32 @@ def test_the_export_check_fails_on_a_gap_or_another_top1():
         check_export("m", reference, shifted(2 * EXPORT_MAX_ABS_DIFF), 32)
     with pytest.raises(SystemExit, match="top-1 7 against 3"):
         check_export("m", reference, shifted(0.0, to=7), 32, max_abs_diff=1.0)
+
+
+def test_the_timing_child_measures_a_stored_onnx_model(tiny_onnx, tmp_path):
+    """``measure_in_child`` end to end, on the tiny model laid out as a store entry (``model.onnx``)."""
+    import shutil
+
+    from inference.engine_choice import measure_in_child
+
+    shutil.copyfile(tiny_onnx, tmp_path / "model.onnx")
+    timings = measure_in_child(str(tmp_path), {"framework": "onnx", "mean": 127.0, "std": 128.0}, ("onnx",), 1,
+                               (16, 16, 3), [1, 2, 4], runs=2)
+    assert set(timings) == {"onnx"} and set(timings["onnx"]) == {1, 2, 4}
+    assert all(ms > 0 for ms in timings["onnx"].values())
+    with pytest.raises(RuntimeError):
+        measure_in_child(str(tmp_path / "missing"), {"framework": "onnx", "mean": 127.0, "std": 128.0}, ("onnx",), 1,
+                         (16, 16, 3), [1], runs=1)
+
+
+def test_engine_bench_reads_a_process_tree_and_plots(tmp_path):
+    import json
+    import os
+
+    from bench.engine_bench import plot, tree_memory
+
+    memory = tree_memory(os.getpid())  # this test process: the root of its own tree
+    assert memory["rss_mb"]["supervisor"] > 0 and memory["rss_mb"]["total"] >= memory["rss_mb"]["supervisor"]
+    results = json.loads((ROOT / "docs" / "bench" / "engines.json").read_text())
+    plot(results, tmp_path / "engines.png")
+    assert (tmp_path / "engines.png").stat().st_size > 10_000
