@@ -130,3 +130,27 @@ def test_import_users_own_models_into_a_separate_store(tmp_path):
     shown = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert shown.split() == ["torchvision", "mobilenet_v3_small", "224"]
     assert _primary_meta(env)["onnx_file"] == "model.onnx"  # your own primary is exported and checked too
+
+
+def test_the_primary_runs_on_the_engine_it_measured_faster_and_says_why(server):
+    """Default settings (``RAMPART_PRIMARY_ENGINE=auto``): on this CPU-only host both engines are timed under the
+    primary's pinning; ``/stats`` and the log name the choice and the ms per image of each."""
+    import httpx
+
+    from inference.engine_choice import warm_up_sizes
+    from inference.engines import cuda_present
+
+    stats = httpx.get(f"{server.url}/stats", timeout=10).json()
+    primary, fallback = stats["primary"]["runner"], stats["fallback"]["runner"]
+    choice = primary["engine"]
+    assert choice["mode"] == "auto" and choice["engine"] in ("torch", "onnx"), choice
+    if not cuda_present():
+        ms = choice["ms_per_image"]
+        assert set(ms) == {"torch", "onnx"} and choice["engine"] == min(ms, key=ms.get), choice
+        assert primary["compute_batch_size"] == choice["compute_batch_size"][choice["engine"]]
+        assert f"onnx {ms['onnx']:.1f} ms/image" in choice["reason"] and f"torch {ms['torch']:.1f} ms/image" in choice["reason"]
+        log = server.log_path.read_text(errors="replace")
+        assert f"primary runner: engine {choice['engine']} (auto: faster per image" in log
+    assert primary["warmed_batch_sizes"] == warm_up_sizes(primary["compute_batch_size"])
+    assert fallback["engine"]["engine"] == "onnx"
+    assert fallback["warmed_batch_sizes"] == warm_up_sizes(fallback["compute_batch_size"])
