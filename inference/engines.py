@@ -159,8 +159,8 @@ class OnnxClassifier:
     """An ONNX Runtime classifier on the CUDA provider when a GPU is present, else CPU.
 
     ``predict(batch)`` takes uint8 N×H×W×3 and returns float32 N×C probabilities.
-    The CUDA provider is only requested when the driver reports a GPU (``cuda_present``), because onnxruntime-gpu
-    logs an error on every session otherwise. When it was requested but the session
+    The CUDA provider is only requested when the driver reports a GPU (``cuda_present``),
+    because onnxruntime-gpu logs an error on every session otherwise. When it was requested but the session
     did not get it (driver or library missing, unsupported GPU), ONNX Runtime's own
     error and warning lines are silenced and this class logs ONE warning on the
     ``rampart.engines`` logger instead, naming the reason, then runs on the CPU

@@ -145,8 +145,8 @@ class BucketedRunner:
         ``timings`` (ms per image by batch size, ``inference.engine_choice.time_batch_sizes``):
         when None, every size of ``candidate_sizes(max_batch_size)`` is timed here on the
         square bucket (one untimed run, best of two). ``compute_batch_size`` is the size with
-        the most images per second (the smallest within 10% of it: ``best_size``), and ``run_bucket`` computes larger adaptive batches in
-        chunks of it, so only ``warm_up_sizes(compute_batch_size)`` are then run on every
+        the most images per second (the smallest within 10% of it: ``best_size``), and
+        ``run_bucket`` computes larger adaptive batches in chunks of it, so only ``warm_up_sizes(compute_batch_size)`` are then run on every
         bucket: the first real request never pays for kernel selection or allocation, and no
         larger batch ever reaches the engine. On a GPU the compute size is normally the
         largest; on a CPU often a small one (on the 2-core CI machine EfficientNet-Lite2 in
@@ -179,7 +179,7 @@ class BucketedRunner:
         ``compute_batch_size``, ``warmed_batch_sizes``, ``ttl_dropped`` and ``oom_splits`` (counts),
         ``cores``: the CPU ids this runner may run on (``rampart.cores``), and ``engine``: the engine it
         computes on and why (``inference.engine_choice.EngineChoice.as_stats``: engine, mode, reason,
-        ms_per_image and compute_batch_size of each engine measured)."""
+        and of each engine measured ms_per_image, compute_batch_size and ms_per_image_by_batch_size)."""
         return {
             "cores": usable_cores(),
             "engine": self.engine_choice.as_stats(),
@@ -334,7 +334,7 @@ def pick_engine(spec: RunnerSpec, model, settings: Settings, threads: int,
     """The engine ``spec.role``'s runner computes ``model`` (a ``bentoml.Model``) on, logged once.
 
     The primary follows ``settings.primary_engine`` (``inference.engine_choice.choose_engine``);
-    on a CPU-only host under "auto" both engines are timed in child processes under this
+    on a CPU-only host under "auto" both engines are timed in one child process under this
     process's pinning (call after ``setup``), with ``threads`` intra-op threads, on ``shape``
     at ``candidate_sizes(spec.max_batch_size)``. Every other runner uses its model's own engine.
     A stored primary without an ONNX export runs on torch, with a warning naming the model.
@@ -350,7 +350,10 @@ def pick_engine(spec: RunnerSpec, model, settings: Settings, threads: int,
         choice = choose_engine(settings.primary_engine, available, cuda_present(),
                                lambda engines: measure_in_child(model.path, dict(meta), engines, threads, shape,
                                                                 sizes, spec.memory_fraction))
-        if "onnx" not in available:
+        if "onnx" not in available and meta.get("onnx_export_error"):
+            engine_log.warning("primary runner: %s has no ONNX export (it failed at import: %s); running on torch",
+                               model.tag, meta["onnx_export_error"])
+        elif "onnx" not in available:
             engine_log.warning("primary runner: %s has no ONNX export (imported before the export existed); "
                                "running on torch. `python -m models.import_models` adds it.", model.tag)
     engine_log.info("%s runner: engine %s (%s: %s)", spec.role, choice.engine, choice.mode, choice.reason)
