@@ -14,6 +14,7 @@ request loses its model.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 import time
@@ -135,6 +136,7 @@ class BucketedRunner:
         self.warmup_s = 0.0
         self.compute_batch_size = max_batch_size
         self.warmed_sizes: list[int] = []
+        self.size_timings: dict[int, float] = {}
         self.engine_choice = EngineChoice("", "auto", "not loaded yet")
         self._lock = threading.Lock()
         self._ready = False
@@ -159,6 +161,7 @@ class BucketedRunner:
         square = self.buckets["square"].shape
         if timings is None:
             timings = time_batch_sizes(self.engine.predict, square, candidate_sizes(self.max_batch_size))
+        self.size_timings = timings
         self.compute_batch_size = best_size(timings)
         self.warmup_ms_per_image = timings[self.compute_batch_size]
         self.warmed_sizes = warm_up_sizes(self.compute_batch_size)
@@ -404,6 +407,9 @@ def define_runner(role: str, name: str, doc: str) -> bentoml.Service:
         self.engine_choice = pick_engine(spec, self.model, settings, threads, self.buckets["square"].shape)
         self.engine = load_engine(self.model, spec.memory_fraction, threads, engine=self.engine_choice.engine)
         self.warm_up(self.engine_choice.timings.get(self.engine_choice.engine))
+        if not self.engine_choice.timings:  # timed in process instead: /stats shows it the same way
+            self.engine_choice = dataclasses.replace(self.engine_choice,
+                                                     timings={self.engine_choice.engine: self.size_timings})
 
     body = {"__doc__": doc, "__module__": f"runners.{role}", "__init__": __init__,
             **{bucket: api_for(bucket) for bucket in BUCKET_NAMES}}
