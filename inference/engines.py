@@ -227,10 +227,10 @@ def session_options(ort):
       after warming batches up to 32 on three buckets, and EfficientNet-Lite2 in ONNX held
       808 MB after batches up to 16 on three buckets, against 134 MB without it. Without it a
       run's buffers go back to the allocator when it ends. Measured on the 2-core host it
-      costs nothing at batch 1 and 2 and 20-50% per batch at 4-16, where the buffers are
-      mapped afresh each run; the batch sizes are timed with these same options, so the
-      compute batch size a runner picks already pays that cost (docs/engines.md, "Memory
-      per process").
+      costs nothing measurable at batch 1 and 2 and 26-85% per batch at 8-16, where the
+      buffers are mapped afresh each run; the batch sizes are timed with these same
+      options, so the compute batch size a runner picks already pays that cost
+      (docs/engines.md, "Memory per process").
     - Intra-op and inter-op threads sleep between runs instead of spin-waiting: beside the
       primary on a CPU host that spinning is CPU the primary needs (at the knee on the 2-core
       host the fallback used 20-32 ms of CPU per image against 7.6 ms when it runs alone).
