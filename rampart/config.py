@@ -169,6 +169,11 @@ class Settings(BaseModel):
     # pins every other process to the rest; "off" leaves placement to the OS (replicas sharing
     # one host, deploy.cluster, use it: each would reserve the same cores).
     cpu_pinning: Literal["auto", "off"] = "auto"
+    # The primary's engine (inference.engine_choice, docs/engines.md): "auto" runs a PyTorch primary on the
+    # faster of PyTorch and its checked ONNX export, measured per image at each one's compute batch size when
+    # the runner starts on a CPU-only host, and on PyTorch on a GPU host; "torch" or "onnx" forces one (ONNX
+    # Runtime's CUDA provider on a GPU host). A stored primary without an export runs on PyTorch.
+    primary_engine: Literal["auto", "torch", "onnx"] = "auto"
     # Share of the GPU's memory the primary may allocate (torch.cuda.set_per_process_memory_fraction).
     gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
 

@@ -14,6 +14,7 @@ request loses its model.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import threading
 import time
@@ -24,6 +25,9 @@ import numpy as np
 from pydantic import Field
 
 
+from inference.engine_choice import (EngineChoice, available_engines, best_size, candidate_sizes, choose_engine,
+                                     measure_in_child, time_batch_sizes, warm_up_sizes)
+from inference.engine_choice import logger as engine_log
 from inference.stored import load_engine
 from rampart.api.lifecycle import RUNNER_EXIT_MARGIN_S, intercept_exit_signals, wait_for_entry_workers
 from rampart.api.lifecycle import logger as lifecycle_log
@@ -34,7 +38,7 @@ from rampart.inputs.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
 from rampart.telemetry import metrics
 
 __all__ = ["RunnerItem", "RunnerResult", "BucketedRunner", "RunnerSpec", "runner_spec", "load_engine", "define_runner",
-           "dispatch_when_free"]
+           "dispatch_when_free", "pick_engine", "release_heap"]
 
 
 def dispatch_when_free() -> None:
@@ -131,52 +135,58 @@ class BucketedRunner:
         self.warmup_ms_per_image = 0.0
         self.warmup_s = 0.0
         self.compute_batch_size = max_batch_size
+        self.warmed_sizes: list[int] = []
+        self.size_timings: dict[int, float] = {}
+        self.engine_choice = EngineChoice("", "auto", "not loaded yet")
         self._lock = threading.Lock()
         self._ready = False
 
-    def warm_up(self) -> None:
-        """Run every bucket at every power-of-two batch size up to ``max_batch_size``, then time them.
+    def warm_up(self, timings: dict[int, float] | None = None) -> None:
+        """Find the compute batch size, warm every bucket at the sizes that will be computed, give back memory.
 
-        The first real request then never pays for kernel selection or allocation.
-        Each size is then timed on the square bucket (best of two runs):
-        ``compute_batch_size`` is the size with the most images per second, and
-        ``run_bucket`` computes larger adaptive batches in chunks of it. On a GPU
-        that is normally the largest size; on a CPU often a small one (on the 2-core
-        CI machine EfficientNet-Lite2 does 89 images/s at batch 2 and 51 at 16, see
-        docs/models.md, "Runners and hardware"). ``warmup_ms_per_image`` at that size seeds the entry
-        service's throughput estimate (``rampart.overload.admission.ThroughputMeter``).
+        ``timings`` (ms per image by batch size, ``inference.engine_choice.time_batch_sizes``):
+        when None, every size of ``candidate_sizes(max_batch_size)`` is timed here on the
+        square bucket (one untimed run, best of two). ``compute_batch_size`` is the size with
+        the most images per second (the smallest within 10% of it: ``best_size``), and
+        ``run_bucket`` computes larger adaptive batches in chunks of it, so only ``warm_up_sizes(compute_batch_size)`` are then run on every
+        bucket: the first real request never pays for kernel selection or allocation, and no
+        larger batch ever reaches the engine. On a GPU the compute size is normally the
+        largest; on a CPU often a small one (on the 2-core CI machine EfficientNet-Lite2 in
+        PyTorch does 89 images/s at batch 2 and 51 at 16). ``warmup_ms_per_image`` at that
+        size seeds the entry service's throughput estimate
+        (``rampart.overload.admission.ThroughputMeter``). Afterwards the C heap is trimmed
+        (``release_heap``): what the timing's larger batches left goes back to the system.
         """
         started = time.perf_counter()
-        sizes = sorted({1 << i for i in range(self.max_batch_size.bit_length())} | {self.max_batch_size})
-        sizes = [size for size in sizes if size <= self.max_batch_size]
+        square = self.buckets["square"].shape
+        if timings is None:
+            timings = time_batch_sizes(self.engine.predict, square, candidate_sizes(self.max_batch_size))
+        self.size_timings = timings
+        self.compute_batch_size = best_size(timings)
+        self.warmup_ms_per_image = timings[self.compute_batch_size]
+        self.warmed_sizes = warm_up_sizes(self.compute_batch_size)
         for bucket in self.buckets.values():
-            for size in sizes:
+            for size in self.warmed_sizes:
                 self.engine.predict(np.zeros((size, *bucket.shape), dtype=np.uint8))
-        ms_per_image = {}
-        for size in sizes:
-            batch = np.zeros((size, *self.buckets["square"].shape), dtype=np.uint8)
-            runs = []
-            for _ in range(2):
-                start = time.perf_counter()
-                self.engine.predict(batch)
-                runs.append((time.perf_counter() - start) * 1000.0 / size)
-            ms_per_image[size] = min(runs)
-        self.compute_batch_size = min(ms_per_image, key=ms_per_image.get)
-        self.warmup_ms_per_image = ms_per_image[self.compute_batch_size]
         self.warmup_s = time.perf_counter() - started
-        self._ready = True
         # Start-up objects (model, framework) leave the garbage collector's reach, so
         # collections during serving stay short (Python gc.freeze docs).
         gc.collect()
         gc.freeze()
+        release_heap()
+        self._ready = True
 
     @bentoml.api(route="/stats")
     async def stats(self) -> dict:
         """Counters of this runner: ``warmup_ms_per_image`` (ms), ``warmup_s`` (duration of ``warm_up``, s),
-        ``compute_batch_size``, ``ttl_dropped`` and ``oom_splits`` (counts), and ``cores``: the CPU ids
-        this runner may run on (``rampart.cores``)."""
+        ``compute_batch_size``, ``warmed_batch_sizes``, ``ttl_dropped`` and ``oom_splits`` (counts),
+        ``cores``: the CPU ids this runner may run on (``rampart.cores``), and ``engine``: the engine it
+        computes on and why (``inference.engine_choice.EngineChoice.as_stats``: engine, mode, reason,
+        and of each engine measured ms_per_image, compute_batch_size and ms_per_image_by_batch_size)."""
         return {
             "cores": usable_cores(),
+            "engine": self.engine_choice.as_stats(),
+            "warmed_batch_sizes": self.warmed_sizes,
             "warmup_ms_per_image": self.warmup_ms_per_image,
             "warmup_s": round(self.warmup_s, 3),
             "compute_batch_size": self.compute_batch_size,
@@ -322,6 +332,51 @@ def engine_cpu_threads(spec: RunnerSpec) -> int:
     return default_cpu_threads(spec.role, len(usable_cores()), cuda_present())
 
 
+def pick_engine(spec: RunnerSpec, model, settings: Settings, threads: int,
+                shape: tuple[int, int, int]) -> EngineChoice:
+    """The engine ``spec.role``'s runner computes ``model`` (a ``bentoml.Model``) on, logged once.
+
+    The primary follows ``settings.primary_engine`` (``inference.engine_choice.choose_engine``);
+    on a CPU-only host under "auto" both engines are timed in one child process under this
+    process's pinning (call after ``setup``), with ``threads`` intra-op threads, on ``shape``
+    at ``candidate_sizes(spec.max_batch_size)``. Every other runner uses its model's own engine.
+    A stored primary without an ONNX export runs on torch, with a warning naming the model.
+    """
+    from inference.engines import cuda_present
+
+    meta = model.info.metadata
+    available = available_engines(meta)
+    if spec.role != "primary":
+        choice = choose_engine("auto", available[:1], cuda_present(), lambda engines: {})
+    else:
+        sizes = candidate_sizes(spec.max_batch_size)
+        choice = choose_engine(settings.primary_engine, available, cuda_present(),
+                               lambda engines: measure_in_child(model.path, dict(meta), engines, threads, shape,
+                                                                sizes, spec.memory_fraction))
+        if "onnx" not in available and meta.get("onnx_export_error"):
+            engine_log.warning("primary runner: %s has no ONNX export (it failed at import: %s); running on torch",
+                               model.tag, meta["onnx_export_error"])
+        elif "onnx" not in available:
+            engine_log.warning("primary runner: %s has no ONNX export (imported before the export existed); "
+                               "running on torch. `python -m models.import_models` adds it.", model.tag)
+    engine_log.info("%s runner: engine %s (%s: %s)", spec.role, choice.engine, choice.mode, choice.reason)
+    return choice
+
+
+def release_heap() -> None:
+    """Return the C heap's free memory to the operating system (glibc ``malloc_trim(0)``; no-op elsewhere).
+
+    glibc keeps freed memory of large temporary buffers (warm-up batches) in the process;
+    trimming after warm-up leaves the resident size at what serving needs.
+    """
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def define_runner(role: str, name: str, doc: str) -> bentoml.Service:
     """The BentoML service ``rampart_<role>`` whose class is named ``name`` with docstring ``doc``.
 
@@ -329,8 +384,8 @@ def define_runner(role: str, name: str, doc: str) -> bentoml.Service:
     batches per device; the three bucket dispatchers queue behind them), one batchable
     ``bentoml.api`` per size bucket (``/square``, ``/landscape``, ``/portrait``, each
     calling ``run_bucket``), and BentoML's access log (one line per runner call) only when
-    ``runner_access_log_enabled()``. ``__init__`` loads the engine (``load_engine``), sets
-    up buckets, faults and niceness, and warms up. BentoML finds a dependency's service by
+    ``runner_access_log_enabled()``. ``__init__`` sets up buckets, faults, niceness and cores,
+    picks the engine (``pick_engine``), loads it (``load_engine``) and warms up. BentoML finds a dependency's service by
     its name, so the class may be made here once for every runner module.
     """
     settings = get_settings()
@@ -346,10 +401,15 @@ def define_runner(role: str, name: str, doc: str) -> bentoml.Service:
                            max_batch_size=spec.max_batch_size, max_latency_ms=spec.max_latency_ms)
 
     def __init__(self) -> None:
-        self.engine = load_engine(self.model, spec.memory_fraction, engine_cpu_threads(spec))
         self.setup(role, self.model.info.metadata["resolution"], FaultInjector(role, spec.faults, settings.fault_file),
                    spec.max_batch_size, spec.nice, settings.max_deadline_ms)
-        self.warm_up()
+        threads = engine_cpu_threads(spec)
+        self.engine_choice = pick_engine(spec, self.model, settings, threads, self.buckets["square"].shape)
+        self.engine = load_engine(self.model, spec.memory_fraction, threads, engine=self.engine_choice.engine)
+        self.warm_up(self.engine_choice.timings.get(self.engine_choice.engine))
+        if not self.engine_choice.timings:  # timed in process instead: /stats shows it the same way
+            self.engine_choice = dataclasses.replace(self.engine_choice,
+                                                     timings={self.engine_choice.engine: self.size_timings})
 
     body = {"__doc__": doc, "__module__": f"runners.{role}", "__init__": __init__,
             **{bucket: api_for(bucket) for bucket in BUCKET_NAMES}}

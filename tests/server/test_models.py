@@ -24,11 +24,83 @@ def test_store_has_both_models_with_metadata():
         assert meta["source_version"] == "0.1.0"
 
 
-def test_onnx_fallback_has_dynamic_batch_and_readable_ir():
-    model = onnx.load(bentoml.models.get("rampart-fallback:latest").path_of("model.onnx"))
-    assert model.opset_import[0].version >= 17 and model.ir_version <= 13
-    dims = model.graph.input[0].type.tensor_type.shape.dim
-    assert dims[0].dim_param and not dims[0].dim_value
+def test_onnx_fallback_and_primary_export_have_dynamic_batch_and_readable_ir():
+    for name in ("rampart-fallback", "rampart-primary"):
+        model = onnx.load(bentoml.models.get(f"{name}:latest").path_of("model.onnx"))
+        assert model.opset_import[0].version >= 17 and model.ir_version <= 13
+        dims = model.graph.input[0].type.tensor_type.shape.dim
+        assert dims[0].dim_param and not dims[0].dim_value
+
+
+def test_primary_carries_its_checked_onnx_export():
+    meta = bentoml.models.get("rampart-primary:latest").info.metadata
+    assert meta["onnx_file"] == "model.onnx" and meta["onnx_export_error"] == ""
+    assert 0.0 <= meta["onnx_max_abs_diff"] <= 1e-4
+
+
+def _tiny_primary(tmp_path) -> tuple[Path, list[str], dict]:
+    """A torchvision MobileNetV3-Small state dict (seeded random weights), the import's arguments for it
+    as your own primary (the fallback from the store), and the environment of a separate store."""
+    import torch
+    import torchvision
+
+    torch.manual_seed(0)
+    weights = tmp_path / "mobilenet.pth"
+    torch.save(torchvision.models.mobilenet_v3_small(weights=None).state_dict(), weights)
+    onnx_file = bentoml.models.get("rampart-fallback:latest").path_of("model.onnx")
+    args = ["--primary-arch", "mobilenet_v3_small", "--primary-family", "torchvision", "--primary-weights", str(weights),
+            "--primary-resolution", "224", "--fallback-onnx", onnx_file, "--no-check"]
+    return weights, args, {**os.environ, "BENTOML_HOME": str(tmp_path / "store")}
+
+
+def _primary_meta(env: dict) -> dict | None:
+    code = ("import json, bentoml\ntry: print(json.dumps(bentoml.models.get('rampart-primary:latest').info.metadata))\n"
+            "except bentoml.exceptions.NotFound: print('null')")
+    return json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                     check=True).stdout.splitlines()[-1])
+
+
+def test_an_export_that_disagrees_fails_the_import(tmp_path):
+    """The fault, on purpose: the ONNX file is exported from weights with noise added; nothing is stored."""
+    _, args, env = _tiny_primary(tmp_path)
+    code = ("import sys, copy, torch, models.import_models as m\n"
+            "export = m.export_onnx\n"
+            "def perturbed(module, resolution, path):\n"
+            "    bad = copy.deepcopy(module)\n"
+            "    torch.manual_seed(1)\n"
+            "    with torch.no_grad():\n"
+            "        for p in bad.parameters(): p.add_(0.05 * torch.randn_like(p))\n"
+            "    export(bad, resolution, path)\n"
+            "m.export_onnx = perturbed\n"
+            "sys.exit(m.main(sys.argv[1:]))\n")
+    out = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0, out.stderr
+    assert "rampart-primary: the ONNX export disagrees with PyTorch on" in out.stderr, out.stderr
+    assert "nothing was imported" in out.stderr
+    assert _primary_meta(env) is None  # the import stopped before writing anything
+
+
+def test_a_primary_imported_without_an_export_is_imported_again_with_one(tmp_path):
+    """A store made by the import before the export existed: same weights, no ``onnx_file``."""
+    weights, args, env = _tiny_primary(tmp_path)
+    old = ("import sys; from pathlib import Path; import models.import_models as m\n"
+           "w = Path(sys.argv[1])\n"
+           "m.save_model(m.PRIMARY_NAME, {'weights.pt': w}, {'framework': 'pytorch', 'family': 'torchvision',"
+           " 'arch': 'mobilenet_v3_small', 'resolution': 224, 'mean': m.LITE_MEAN, 'std': m.LITE_STD,"
+           " 'source': str(w), 'source_version': 'local', 'weights_sha256': m.sha256_of(w)}, m.imagenet_labels())\n")
+    subprocess.run([sys.executable, "-c", old, str(weights)], cwd=ROOT, env=env, check=True, capture_output=True,
+                   timeout=120)
+    assert "onnx_file" not in _primary_meta(env)
+    out = subprocess.run([sys.executable, "-m", "models.import_models", *args], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "is in the store without onnx_file; importing it again" in out.stderr, out.stderr
+    meta = _primary_meta(env)
+    assert meta["onnx_file"] == "model.onnx" and meta["onnx_max_abs_diff"] <= 1e-4
+    again = subprocess.run([sys.executable, "-m", "models.import_models", *args], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "rampart-primary: weights" in again.stderr and "skipping" in again.stderr
 
 
 def test_import_is_idempotent():
@@ -57,3 +129,30 @@ def test_import_users_own_models_into_a_separate_store(tmp_path):
             "print(m['family'], m['arch'], m['resolution'])")
     shown = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert shown.split() == ["torchvision", "mobilenet_v3_small", "224"]
+    assert _primary_meta(env)["onnx_file"] == "model.onnx"  # your own primary is exported and checked too
+
+
+def test_the_primary_runs_on_the_engine_it_measured_faster_and_says_why(server):
+    """Default settings (``RAMPART_PRIMARY_ENGINE=auto``): on this CPU-only host both engines are timed under the
+    primary's pinning; ``/stats`` and the log name the choice and the ms per image of each."""
+    import httpx
+
+    from inference.engine_choice import warm_up_sizes
+    from inference.engines import cuda_present
+
+    stats = httpx.get(f"{server.url}/stats", timeout=10).json()
+    primary, fallback = stats["primary"]["runner"], stats["fallback"]["runner"]
+    choice = primary["engine"]
+    assert choice["mode"] == "auto" and choice["engine"] in ("torch", "onnx"), choice
+    if not cuda_present():
+        ms = choice["ms_per_image"]
+        assert set(ms) == {"torch", "onnx"} and choice["engine"] == min(ms, key=ms.get), choice
+        assert primary["compute_batch_size"] == choice["compute_batch_size"][choice["engine"]]
+        assert f"onnx {ms['onnx']:.1f} ms/image" in choice["reason"] and f"torch {ms['torch']:.1f} ms/image" in choice["reason"]
+        log = server.log_path.read_text(errors="replace")
+        assert f"primary runner: engine {choice['engine']} (auto: faster per image" in log
+    assert primary["warmed_batch_sizes"] == warm_up_sizes(primary["compute_batch_size"])
+    assert fallback["engine"]["engine"] == "onnx"  # timed in process by its warm-up, shown the same way:
+    assert fallback["engine"]["compute_batch_size"] == {"onnx": fallback["compute_batch_size"]}
+    assert fallback["engine"]["ms_per_image"]["onnx"] == round(fallback["warmup_ms_per_image"], 3)
+    assert fallback["warmed_batch_sizes"] == warm_up_sizes(fallback["compute_batch_size"])

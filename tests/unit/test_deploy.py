@@ -209,3 +209,33 @@ def test_autoscaling_thresholds_come_from_the_queue_delay():
                           ("rampart_primary_shed_share", triggers["shed-share"])):
         assert math.isclose(quantity(targets[name]), float(trigger["metadata"]["threshold"])), name
         assert normal(rules[name]) == normal(trigger["metadata"]["query"].replace('namespace="rampart",', "")), name
+
+
+#: The measured memory of a warm replica (python -m bench.engine_bench, docs/engines.md), which the CPU
+#: manifests' memory requests and limits are derived from.
+ENGINE_BENCH = ROOT / "docs" / "bench" / "engines.json"
+#: Share above the highest measured whole-tree RSS that the memory request keeps (docs/engines.md).
+MEMORY_REQUEST_MARGIN = 1.15
+
+
+def mebibytes(quantity: str) -> float:
+    """A Kubernetes memory quantity ("1536Mi", "2Gi") in MiB."""
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024}
+    number, unit = re.fullmatch(r"(\d+(?:\.\d+)?)(Ki|Mi|Gi)", quantity).groups()
+    return float(number) * units[unit]
+
+
+def test_cpu_memory_requests_and_limits_come_from_the_measured_replica():
+    """Base and CPU overlay: the request covers the highest whole-process-tree RSS measured after warm-up,
+    during and after a 5x overload, with the margin; the limit is above the request (no Guaranteed class
+    needed: a replica that grows past it is a leak to see, not to hide)."""
+    import json
+
+    memory = json.loads(ENGINE_BENCH.read_text())["memory"]
+    peak = max(phase["rss_mb"]["total"] for phase in memory.values())
+    assert peak <= 1536, memory  # a replica in 1.5 GiB
+    for path in (K8S / "base" / "deployment.yaml", K8S / "overlays" / "cpu" / "patch-deployment.yaml"):
+        resources = container(one(load_all(path), "Deployment"))["resources"]
+        request, limit = mebibytes(resources["requests"]["memory"]), mebibytes(resources["limits"]["memory"])
+        assert request >= MEMORY_REQUEST_MARGIN * peak, (path.name, request, peak)
+        assert request <= 1536 and limit > request, (path.name, request, limit)
