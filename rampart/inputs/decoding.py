@@ -413,8 +413,11 @@ def _flatten(image: Image.Image, background: tuple[int, int, int]) -> Image.Imag
 
 def _float_to_rgb(scale: float) -> Callable[[Image.Image], Image.Image]:
     def convert(image: Image.Image) -> Image.Image:
-        gray = np.clip(np.nan_to_num(np.asarray(image)) * scale, 0, 255).astype(np.uint8)
-        return Image.fromarray(gray, mode="L").convert("RGB")
+        values = np.array(image, dtype=np.float32)  # one float copy of the strip, then worked in place
+        np.nan_to_num(values, copy=False)
+        np.multiply(values, scale, out=values)
+        np.clip(values, 0, 255, out=values)
+        return Image.fromarray(values.astype(np.uint8), mode="L").convert("RGB")
     return convert
 
 
