@@ -37,11 +37,12 @@ order; a request's prediction counts only the images ahead of it (dispatched, an
 queued at its class or higher), so queued low requests never make a normal one look
 late. The low class is bulk work that fills idle capacity: it is admitted only while
 no request of a higher class is queued, its queued tickets are the first a full
-gate evicts, and it is dispatched only while at least one batch share of the dispatch
-window stays free (``low_window``): the batch that forms while another computes
-always has room for normal and high requests, so a low item never holds a place a
-higher one could take. (Items already sent to the runner cannot be called back; the
-free batch share is what keeps them out of a higher request's way.)
+gate evicts, and it is dispatched only while fewer than ``low_window`` images (a sixteenth of a batch
+share, at least one) are dispatched: a normal or high arrival finds at most that many images in
+the runner ahead of it, and the rest of the window (always more than a batch) is
+free for it, so a low item never holds a place a higher one could take. (Items
+already sent to the runner cannot be called back; the small low window is what
+keeps them out of a higher request's way.)
 
 For experiments only (setting ``admission``, README "Ablation"), a gate's ``mode`` can
 switch shedding off in part: ``queue-bound`` refuses only ``queue_full`` (no
@@ -334,11 +335,19 @@ class AdmissionGate:
         """High-priority tickets queued."""
         return self.queued_by_rank[HIGH]
 
+    #: Low-priority images dispatched at most at once, as a share of ``batch_share`` (``low_window``).
+    LOW_BATCH_FRACTION = 1 / 16
+
     @property
     def low_window(self) -> int:
-        """Most images dispatched at once while low ones are being dispatched: the window less one batch share
-        (at least 1), so the batch that forms while another computes has room for higher classes."""
-        return max(1, self.window - self.batch_share)
+        """Most images dispatched at once while low ones are being dispatched: ``LOW_BATCH_FRACTION`` of a batch
+        share (at least 1, and never more than the window less one batch share): 1 image with the primary's
+        default batch of 16. A normal or high arrival then finds at most that many images ahead of it in the
+        runner. Measured on the shared 2-core host (tests/server/test_low_priority.py), larger low windows
+        pushed normal requests onto the fallback: with the window less one batch, and with a quarter batch
+        (4 images, 0.4 s of work at the 10 img/s the loaded host gave), a normal arrival's predicted
+        completion passed the primary's share of its 1 s deadline."""
+        return max(1, min(int(self.batch_share * self.LOW_BATCH_FRACTION), self.window - self.batch_share))
 
     def window_for(self, rank: int) -> int:
         """The dispatch window for a ticket of class ``rank``: ``low_window`` for low, else ``window``."""

@@ -85,12 +85,14 @@ def test_a_full_gate_evicts_the_newest_low_first_then_normal_for_high():
     assert shed.value.reason == "queue_full"
 
 
-def test_low_never_takes_the_last_batch_share_of_the_window_so_normal_is_dispatched_at_once():
+def test_low_is_dispatched_a_quarter_batch_at_a_time_so_normal_is_dispatched_at_once():
     async def scenario():
-        g, release, order = gate(queue_delay_ms=1000), asyncio.Event(), []
+        g = AdmissionGate("m", max_batch_size=16, concurrent_batches=1, queue_delay_ms=1000,
+                          meter=ThroughputMeter(override_ips=10))  # window 32, low window 1
+        release, order = asyncio.Event(), []
         lows = [asyncio.create_task(_hold(g, "low", release, order)) for _ in range(4)]
         await asyncio.sleep(0.01)
-        dispatched_low = g.dispatched  # low_window: 4 - one batch share of 2
+        dispatched_low = g.dispatched
         normal = asyncio.create_task(_hold(g, "normal", release, order))
         await asyncio.sleep(0.01)
         dispatched_with_normal = order.count("normal")
@@ -99,8 +101,9 @@ def test_low_never_takes_the_last_batch_share_of_the_window_so_normal_is_dispatc
         return dispatched_low, dispatched_with_normal, g
 
     dispatched_low, dispatched_with_normal, g = asyncio.run(scenario())
-    assert g.low_window == 2 and dispatched_low == 2
-    assert dispatched_with_normal == 1  # the normal request did not wait behind the two queued low ones
+    assert g.low_window == 1 and dispatched_low == 1  # three low ones wait although 31 places are free
+    assert dispatched_with_normal == 1  # the normal request did not wait behind the three queued low ones
+    assert gate().low_window == 1  # at least one image, however small the batch
     assert g.dispatched == 0 and g.queued == 0
 
 
