@@ -147,3 +147,12 @@ def test_a_low_request_has_no_room_when_only_the_fallback_has():
     assert "low-priority" in str(error.value)
     assert error.value.retry_after_s == pipeline.primary.gate.retry_after_s()  # the primary's own drain time
 
+
+
+def test_open_inference_protocol_priority_3_is_low_and_4_is_refused():
+    from rampart.api import oip
+
+    assert [oip._priority(level) for level in (0, 1, 2, 3)] == ["normal", "high", "normal", "low"]
+    with pytest.raises(errors.InvalidParameter):
+        oip._priority(4)
+    assert oip.model_config(Settings(), "v1")["dynamic_batching"]["priority_levels"] == 3
