@@ -46,8 +46,8 @@ the primary shed the request. The settings ``admission`` (the gates' ``mode``; `
 also unbounds the decode queue and the in-flight bound) and ``honour_deadlines``
 (``rampart.overload.deadline.Deadline.sliced``) are the ablation's other switches.
 
-Requests of the ``low`` priority class (``X-Priority: low``, bulk work: README of
-``rampart.overload.admission``) are answered by the primary only, with route
+Requests of the ``low`` priority class (``X-Priority: low``, bulk work: the module doc
+of ``rampart.overload.admission``, docs/planning.md) are answered by the primary only, with route
 ``low_priority``: they never take a place with the fallback, in any routing. When the
 primary does not answer one (shed, evicted, late, breaker open, error), an earlier
 answer for the same bytes is returned (``cached_result``: it costs no model time),
