@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PORT ?= 3000
 
-.PHONY: setup setup-dev setup-peers models serve test test-unit bench bench-peers build clean nginx serve-cluster stop-cluster perf-analyzer
+.PHONY: setup setup-dev setup-peers models serve test test-unit bench bench-peers build clean nginx kubectl serve-cluster stop-cluster perf-analyzer
 
 # Serving (requirements.txt) and model import (requirements-models.txt). Each stamp is
 # touched after its install, so a second run installs nothing until a requirements file changes.
@@ -40,6 +40,10 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 nginx:
 	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || \
 		{ $(SUDO) apt-get update && $(SUDO) apt-get install -y nginx-light; }
+
+# kubectl renders the kustomize overlays in the tests (deploy/k8s and the planner's, docs/planning.md).
+kubectl:
+	@command -v kubectl >/dev/null || { $(SUDO) apt-get update && $(SUDO) apt-get install -y kubectl; }
 
 # perf_analyzer, Triton's load tool, for the /v2 endpoint (docs/oip.md), in its own folder $(PERF_ANALYZER_DIR):
 # the binary bundled in the tritonclient 2.41.1 wheel (later wheels need glibc 2.38; Debian 12 has 2.36; the
@@ -78,7 +82,7 @@ stop-cluster:
 TEST_TIMEOUT_S ?= 600
 SUITE_TIMEOUT ?= 45m
 
-test: models nginx perf-analyzer setup-dev
+test: models nginx kubectl perf-analyzer setup-dev
 	timeout -k 30 $(SUITE_TIMEOUT) $(PY) -m pytest -q tests --durations=25 --timeout=$(TEST_TIMEOUT_S)
 
 # The in-process unit tests only: no model store, no server (under a minute).

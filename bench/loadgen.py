@@ -66,7 +66,7 @@ class Sample:
     the answering ``model`` name (None if none), ``degraded_reason``, ``high`` priority, ``deadline_ms``,
     ``server_ms``, the server's own ``timings_ms.total``, ``retry_after_s``, the ``Retry-After``
     header in seconds, and ``inference_ms``, the answering model's compute time (``timings_ms.inference``);
-    each None when absent."""
+    each None when absent; ``priority``, the class sent (``X-Priority``: high, normal or low)."""
 
     sent_s: float
     latency_ms: float
@@ -78,6 +78,7 @@ class Sample:
     server_ms: float | None = None
     retry_after_s: float | None = None
     inference_ms: float | None = None
+    priority: str = "normal"
 
 
 @dataclass(frozen=True)
@@ -208,10 +209,11 @@ def oip_answer(payload: dict) -> dict:
 
 
 async def _send(client: aiohttp.ClientSession, url: str, body: bytes, deadline_ms: float, high: bool,
-                origin: float, form_field: str | None = None, oip: bool = False) -> Sample:
+                origin: float, form_field: str | None = None, oip: bool = False, priority: str | None = None) -> Sample:
+    priority = priority or ("high" if high else "normal")
     headers = {"X-Deadline-Ms": str(int(deadline_ms))}
-    if high:
-        headers["X-Priority"] = "high"
+    if priority != "normal":
+        headers["X-Priority"] = priority
     if oip:  # an Open Inference Protocol model's /infer URL (Triton)
         data, oip_headers = oip_request(body)
         headers.update(oip_headers)
@@ -239,8 +241,8 @@ async def _send(client: aiohttp.ClientSession, url: str, body: bytes, deadline_m
     model = (payload.get("model") or {}).get("name") if isinstance(payload, dict) else None
     reason = payload.get("degraded_reason") if isinstance(payload, dict) else None
     timings = (payload.get("timings_ms") or {}) if isinstance(payload, dict) else {}
-    return Sample(sent - origin, latency_ms, status, model, reason, high, deadline_ms, timings.get("total"), retry_after,
-                  timings.get("inference"))
+    return Sample(sent - origin, latency_ms, status, model, reason, priority == "high", deadline_ms, timings.get("total"),
+                  retry_after, timings.get("inference"), priority)
 
 
 def _seconds(raw: str | None) -> float | None:
@@ -280,9 +282,12 @@ async def _send_httpx(client: httpx.AsyncClient, url: str, body: bytes, deadline
 
 @_without_gc_pauses
 async def closed_loop(url: str, bodies: list[bytes], clients: int, duration_s: float,
-                      deadline_ms: float = 10_000, form_field: str | None = None, oip: bool = False) -> list[Sample]:
-    """``clients`` concurrent senders (aiohttp) for ``duration_s`` seconds; returns every sample."""
-    return (await _closed_loop(url, bodies, clients, duration_s, deadline_ms, form_field, "aiohttp", oip)).samples
+                      deadline_ms: float = 10_000, form_field: str | None = None, oip: bool = False,
+                      priority: str = "normal") -> list[Sample]:
+    """``clients`` concurrent senders (aiohttp) for ``duration_s`` seconds, each request with ``X-Priority:
+    priority``; returns every sample."""
+    return (await _closed_loop(url, bodies, clients, duration_s, deadline_ms, form_field, "aiohttp", oip,
+                               priority)).samples
 
 
 @_without_gc_pauses
@@ -298,7 +303,7 @@ async def closed_loop_round(url: str, bodies: list[bytes], connections: int, dur
 
 
 async def _closed_loop(url: str, bodies: list[bytes], clients: int, duration_s: float, deadline_ms: float,
-                       form_field: str | None, client_kind: str, oip: bool = False) -> Round:
+                       form_field: str | None, client_kind: str, oip: bool = False, priority: str = "normal") -> Round:
     samples: list[Sample] = []
     origin = stop = 0.0  # set once the connections are open
 
@@ -326,7 +331,7 @@ async def _closed_loop(url: str, bodies: list[bytes], clients: int, duration_s: 
         await _open_connections(session, url, clients)
 
         def send(body):
-            return _send(session, url, body, deadline_ms, False, origin, form_field, oip)
+            return _send(session, url, body, deadline_ms, False, origin, form_field, oip, priority)
 
         close = session.close
     try:

@@ -109,6 +109,9 @@ class Settings(BaseModel):
     # Deadlines (X-Deadline-Ms), end to end.
     default_deadline_ms: int = Field(1000, gt=0)
     max_deadline_ms: int = Field(60_000, gt=0)
+    # Default deadline of a low-priority request (X-Priority: low, bulk work that only fills idle
+    # capacity): long, because it waits for the primary to have room; at most max_deadline_ms.
+    low_priority_deadline_ms: int = Field(10_000, gt=0)
     # Part of every deadline kept back for the fallback when the primary is slow.
     fallback_reserve_ms: int = Field(250, ge=0)
     # The pipeline stops this long before the client's deadline, leaving time to send the answer.
@@ -241,6 +244,9 @@ class Settings(BaseModel):
             raise ValueError(
                 f"default_deadline_ms={self.default_deadline_ms} exceeds max_deadline_ms={self.max_deadline_ms}"
             )
+        if self.low_priority_deadline_ms > self.max_deadline_ms:
+            raise ValueError(f"low_priority_deadline_ms={self.low_priority_deadline_ms} exceeds "
+                             f"max_deadline_ms={self.max_deadline_ms}")
         return self
 
     @model_validator(mode="after")

@@ -143,17 +143,18 @@ class ModelLane:
                 self._published_queue[bucket] = count
                 metrics.QUEUE_DEPTH.labels(self.role, bucket).set(count)
 
-    def refusal(self, high: bool, deadline: Deadline) -> Shed | None:
-        """Why this model would refuse a request arriving now, or None when it has room; changes nothing.
+    def refusal(self, priority: str, deadline: Deadline) -> Shed | None:
+        """Why this model would refuse a request of class ``priority`` (``rampart.overload.admission.PRIORITIES``;
+        a bool: True high) arriving now, or None when it has room; changes nothing.
 
         In order: the lane's share of ``deadline`` is used up (``Shed("timeout")``),
         the breaker refuses calls (``circuit_open``: open, or half-open with every
         probe out), the gate sheds (``AdmissionGate.refusal``).
         """
-        return self._refusal(high, deadline.remaining_s(self.share))
+        return self._refusal(priority, deadline.remaining_s(self.share))
 
-    def _refusal(self, high: bool, budget_s: float) -> Shed | None:
-        return self._lane_refusal(budget_s) or self.gate.refusal(high, budget_s)
+    def _refusal(self, priority: str, budget_s: float) -> Shed | None:
+        return self._lane_refusal(budget_s) or self.gate.refusal(priority, budget_s)
 
     def _lane_refusal(self, budget_s: float) -> Shed | None:
         """``timeout`` when the lane's share is used up, ``circuit_open`` when the breaker refuses calls, else None."""
@@ -163,11 +164,11 @@ class ModelLane:
             return Shed("circuit_open", f"{self.role}: the circuit breaker is {self.breaker.state}")
         return None
 
-    def has_room(self, high: bool, deadline: Deadline) -> bool:
-        """Whether ``reserve(high, deadline)`` would give a ticket now, without taking one."""
-        return self.refusal(high, deadline) is None
+    def has_room(self, priority: str, deadline: Deadline) -> bool:
+        """Whether ``reserve(priority, deadline)`` would give a ticket now, without taking one."""
+        return self.refusal(priority, deadline) is None
 
-    def reserve(self, high: bool, deadline: Deadline) -> Ticket | Attempt:
+    def reserve(self, priority: str, deadline: Deadline) -> Ticket | Attempt:
         """A ticket in the gate (and, when the breaker is half-open, one of its probes), or the refusal
         as a shed ``Attempt`` (``<role>_timeout`` / ``_circuit_open`` / ``_overloaded``), counted.
 
@@ -182,7 +183,7 @@ class ModelLane:
         if shed is not None:
             return self._refused(shed)
         try:
-            ticket = self.gate.reserve(high, budget_s)
+            ticket = self.gate.reserve(priority, budget_s)
         except Shed as shed:
             return self._refused(shed)
         if self.breaker is not None:
@@ -293,6 +294,7 @@ class ModelLane:
             "dispatched": gate.dispatched,
             "dispatch_window": gate.window,
             "queued": gate.queued,
+            "queued_by_priority": gate.queued_by_priority(),
             "queue_limit": gate.queue_limit,
             "throughput_ips": None if gate.meter.ips is None else round(gate.meter.ips, 2),
             "drain_s": round(gate.drain_s(), 3),

@@ -46,6 +46,13 @@ the primary shed the request. The settings ``admission`` (the gates' ``mode``; `
 also unbounds the decode queue and the in-flight bound) and ``honour_deadlines``
 (``rampart.overload.deadline.Deadline.sliced``) are the ablation's other switches.
 
+Requests of the ``low`` priority class (``X-Priority: low``, bulk work: the module doc
+of ``rampart.overload.admission``, docs/planning.md) are answered by the primary only, with route
+``low_priority``: they never take a place with the fallback, in any routing. When the
+primary does not answer one (shed, evicted, late, breaker open, error), an earlier
+answer for the same bytes is returned (``cached_result``: it costs no model time),
+else 429 ``overloaded`` with the primary's own ``Retry-After``; never the static answer.
+
 Every answer body is built by ``Classifier._body``; model answers carry their
 ``route`` (``ROUTES``), answers no model gave now carry ``route: null``.
 """
@@ -64,7 +71,7 @@ import numpy as np
 from PIL import Image
 
 from rampart.telemetry import metrics
-from rampart.overload.admission import AdmissionGate, ThroughputMeter, Ticket
+from rampart.overload.admission import HIGH, LOW, AdmissionGate, ThroughputMeter, Ticket, priority_name, priority_rank
 from rampart.overload.breaker import CircuitBreaker
 from rampart.inputs.buckets import Bucket
 from rampart.cache import CachedAnswer, ResultCache
@@ -89,12 +96,16 @@ logger = logging.getLogger("rampart.pipeline")
 ROUTE_PRIMARY_FIRST = "primary_first"
 #: The ``route`` of every model answer with routing ``primary-only`` (experiments only).
 ROUTE_PRIMARY_ONLY = "primary_only"
-ROUTES = (ROUTE_PRIMARY_FIRST, ROUTE_PRIMARY_ONLY, *metrics.CASCADE_ROUTES)
+#: The ``route`` of every answer to a low-priority request: the primary's, in any routing.
+ROUTE_LOW_PRIORITY = "low_priority"
+ROUTES = (ROUTE_PRIMARY_FIRST, ROUTE_PRIMARY_ONLY, ROUTE_LOW_PRIORITY, *metrics.CASCADE_ROUTES)
 #: Fallback confidences kept for the quantiles in ``/stats`` (``cascade``).
 CONFIDENCE_WINDOW = 1000
 #: Decode order within a priority (``BoundedPool.run``'s ``rank``): requests holding a place with the
 #: routing's first model first, then those admitted by the second one (``Classifier._prepare``).
 DECODE_RANK = {"first": 0, "second": 1}
+#: Added to a low-priority request's decode rank: it decodes after every normal one waiting.
+LOW_DECODE_RANK = 10
 
 
 def decode_limits(settings: Settings, buckets: list[Bucket]) -> DecodeLimits:
@@ -179,15 +190,24 @@ class Classifier:
         self.cache = ResultCache(settings.cache_size)
         self.plan = pool.share(decode_plan(settings, {"primary": primary.buckets, "fallback": fallback.buckets}))
         self.limits = self.plan.limits
+        #: Per priority class: its answers by who gave them (``primary``, ``fallback``, ``cache``, ``none``) and
+        #: 429s (``shed``), for ``/stats`` (``rampart_priority_outcomes_total`` counts the same).
+        self.by_priority = {name: dict.fromkeys(metrics.PRIORITY_OUTCOMES, 0) for name in metrics.PRIORITIES}
 
-    def retry_after_s(self) -> float:
-        """``Retry-After`` for a 429: when the first of the two models will have drained its queue.
+    def lanes_for(self, priority: str | bool) -> tuple[ModelLane, ...]:
+        """The lanes a request of class ``priority`` may take a place with, in order: the routing's ``order``,
+        or the primary alone for ``low``."""
+        return (self.primary,) if priority_rank(priority) == LOW else self.order
+
+    def retry_after_s(self, priority: str | bool = "normal") -> float:
+        """``Retry-After`` for a 429: when the first of the models ``priority``'s class may use (``lanes_for``:
+        the primary alone for ``low``) will have drained its queue.
 
         Whole seconds, at least 1 and at most that gate's ``retry_after_cap_s`` (see
         ``AdmissionGate.retry_after_s``): a retry is admitted as soon as either
         model has room.
         """
-        return min(lane.gate.retry_after_s() for lane in self.order)
+        return min(lane.gate.retry_after_s() for lane in self.lanes_for(priority))
 
     def inflight_limit(self) -> int:
         """Most ``/classify`` requests one API worker lets in at once (``rampart.api.connections.RequestGuard``).
@@ -202,7 +222,7 @@ class Classifier:
             return sys.maxsize
         return 2 * sum(lane.gate.window + lane.gate.queue_limit for lane in self.order)
 
-    def check_capacity(self, deadline: Deadline, high: bool) -> None:
+    def check_capacity(self, deadline: Deadline, priority: str | bool) -> None:
         """Raise ``Overloaded`` (429) when neither model would take a request now; takes no place.
 
         Called before the body is read, so shedding costs next to nothing and a slow
@@ -211,14 +231,14 @@ class Classifier:
         used up (by the wait before the handler or the loop lag kept back with the
         margin) is refused the same way, with ``cause`` ``deadline``.
         """
-        if any(lane.has_room(high, deadline) for lane in self.order):
+        if any(lane.has_room(priority, deadline) for lane in self.lanes_for(priority)):
             return
         if deadline.remaining_s() <= 0:
             raise Overloaded(f"the deadline ({deadline.share_ms():.0f} ms after margins) was used up before work on "
-                             "the request could start", self.retry_after_s(), cause="deadline")
-        raise self._at_capacity()
+                             "the request could start", self.retry_after_s(priority), cause="deadline")
+        raise self._at_capacity(priority)
 
-    def admit(self, deadline: Deadline, high: bool) -> Admission:
+    def admit(self, deadline: Deadline, priority: str | bool) -> Admission:
         """Take a place for a request whose body is in: a ticket for the routing's first model (``order``:
         the primary, or the fallback in cascade mode), else one for the other (none with ``primary-only``).
 
@@ -226,14 +246,17 @@ class Classifier:
         let it in, but the gates filled while its body arrived).
         """
         refused = None
-        for lane in self.order:
-            taken = lane.reserve(high, deadline)
+        for lane in self.lanes_for(priority):
+            taken = lane.reserve(priority, deadline)
             if isinstance(taken, Ticket):
                 return Admission(**{lane.role: taken}, refused=refused)
             refused = refused or taken
-        raise self._at_capacity()
+        raise self._at_capacity(priority)
 
-    def _at_capacity(self) -> Overloaded:
+    def _at_capacity(self, priority: str | bool = "normal") -> Overloaded:
+        if priority_rank(priority) == LOW:
+            return Overloaded("the primary has no idle capacity for low-priority work; retry later",
+                              self.retry_after_s(priority))
         return Overloaded("both models are at capacity; retry later", self.retry_after_s())
 
     def release(self, admission: Admission) -> None:
@@ -242,13 +265,14 @@ class Classifier:
             if ticket is not None:
                 lane.release(ticket)
 
-    async def _prepare(self, data: bytes, deadline: Deadline, high: bool, admission: Admission) -> Prepared:
+    async def _prepare(self, data: bytes, deadline: Deadline, priority: str | bool, admission: Admission) -> Prepared:
         """Decode ``data`` on the pool into the base model's input (``rampart.inputs.decode_job.prepare``).
 
         Within a priority, a request that holds a place with the routing's first model
         decodes before one the first model refused (``DECODE_RANK``): under overload the
         decoders are the shared stage, and the first model, the primary, must not wait
-        idle behind uploads that are bound for the fallback anyway.
+        idle behind uploads that are bound for the fallback anyway. Low-priority
+        requests decode after every normal one (``LOW_DECODE_RANK``).
 
         Raises ``DecodeTimeout`` past ``decode_timeout_ms``, ``JobTimeout`` when the
         deadline ran out first, ``Overloaded`` when no decoder is free in time,
@@ -257,7 +281,9 @@ class Classifier:
         """
         try:
             rank = DECODE_RANK["first" if getattr(admission, self.order[0].role) is not None else "second"]
-            prepared = await self.pool.run(prepare, data, self.plan, high=high, rank=rank, budget_s=deadline.remaining_s(),
+            klass = priority_rank(priority)
+            rank += LOW_DECODE_RANK if klass == LOW else 0
+            prepared = await self.pool.run(prepare, data, self.plan, high=klass == HIGH, rank=rank, budget_s=deadline.remaining_s(),
                                            run_limit_s=self.settings.decode_timeout_ms / 1000)
         except JobTimeout as exc:
             if exc.by_run_limit:
@@ -285,22 +311,40 @@ class Classifier:
             if isinstance(outcome, BaseException):
                 logger.warning("decoder warm-up failed: %s: %s", type(outcome).__name__, outcome)
 
-    async def classify(self, data: bytes, top_k: int, deadline: Deadline, high: bool = False) -> dict:
+    async def classify(self, data: bytes, top_k: int, deadline: Deadline, priority: str | bool = "normal") -> dict:
         """The response body for one image (see docs/api.md).
 
         Takes the request's place (``admit``) now that its body is in. Raises
         ``rampart.errors.ImageError`` for a bad upload (``DecodeTimeout`` when decoding
         runs past ``decode_timeout_ms``) and ``Overloaded`` when no model has room,
         decoding capacity is exhausted, or both models shed the request and nothing is
-        cached; model failures never raise.
+        cached; model failures never raise. ``priority`` is the request's class
+        (``rampart.overload.admission.PRIORITIES``; a bool: True high, False normal).
         """
-        admission = self.admit(deadline, high)
+        name = priority_name(priority)
         try:
-            result = await self._classify(data, top_k, deadline, high, admission)
-        finally:
-            self.release(admission)
+            admission = self.admit(deadline, name)
+            try:
+                result = await self._classify(data, top_k, deadline, name, admission)
+            finally:
+                self.release(admission)
+        except Overloaded:
+            self._count(name, "shed")
+            raise
         self._observe(result)
+        self._count(name, self._answered_by(result))
         return result
+
+    def _count(self, priority: str, outcome: str) -> None:
+        self.by_priority[priority][outcome] += 1
+        metrics.PRIORITY_OUTCOMES_TOTAL.labels(priority, outcome).inc()
+
+    def _answered_by(self, result: dict) -> str:
+        """Who gave ``result``: ``primary``, ``fallback``, ``cache`` or ``none`` (the static answer)."""
+        if result["degraded_reason"] == "cached_result":
+            return "cache"
+        name = (result["model"] or {}).get("name")
+        return {self.primary.endpoint.name: "primary", self.fallback.endpoint.name: "fallback"}.get(name, "none")
 
     def _observe(self, result: dict) -> None:
         """Metrics of one answer: stage durations, degraded reason, route, top-1 class and confidence, input warnings."""
@@ -309,10 +353,7 @@ class Classifier:
             self.routes[route] += 1
             if route in metrics.CASCADE_ROUTES:
                 metrics.CASCADE_ROUTES_TOTAL.labels(route).inc()
-        name = (result["model"] or {}).get("name")
-        role = {self.primary.endpoint.name: "primary", self.fallback.endpoint.name: "fallback"}.get(name, "none")
-        if result["degraded_reason"] == "cached_result":
-            role = "cache"
+        role = self._answered_by(result)
         for stage, ms in result["timings_ms"].items():
             metrics.STAGE_SECONDS.labels(role, stage).observe(ms / 1000.0)
         if result["degraded"]:
@@ -323,10 +364,10 @@ class Classifier:
             metrics.TOP1_CONFIDENCE.labels(role).observe(result["labels"][0]["score"])
             metrics.TOP1_CLASS.labels(role, result["labels"][0]["label"]).inc()
 
-    async def _classify(self, data: bytes, top_k: int, deadline: Deadline, high: bool, admission: Admission) -> dict:
+    async def _classify(self, data: bytes, top_k: int, deadline: Deadline, priority: str, admission: Admission) -> dict:
         start = time.perf_counter()
         try:
-            prepared = await self._prepare(data, deadline, high, admission)
+            prepared = await self._prepare(data, deadline, priority, admission)
         except JobTimeout:
             return self._body("deadline_exceeded", start, _ms_since(start))
         decode_ms = _ms_since(start)
@@ -334,13 +375,21 @@ class Classifier:
         def answer(lane: ModelLane, attempt: Attempt, reason: str | None, route: str) -> dict:
             return self._model_answer(lane, attempt.answer, prepared, top_k, decode_ms, start, reason, route)
 
-        first = await self._attempt(self.order[0], admission, prepared, deadline, high)
+        if priority == "low":  # the primary alone; then only a cached answer, which costs no model time
+            first = await self._attempt(self.primary, admission, prepared, deadline, priority)
+            if first.answer is not None:
+                return answer(self.primary, first, None, ROUTE_LOW_PRIORITY)
+            cached = self.cache.get(prepared.key)
+            if cached is not None:
+                return self._body("cached_result", start, decode_ms, prepared.warnings, cached, top_k)
+            raise self._at_capacity(priority)
+        first = await self._attempt(self.order[0], admission, prepared, deadline, priority)
         if self.cascade:
             if first.answer is not None:
                 confidence = self.confidence(first.answer.probs)
                 if confidence >= self.settings.cascade_threshold:
                     return answer(self.fallback, first, None, "cascade_confident")
-            second = await self._attempt(self.primary, admission, prepared, deadline, high)
+            second = await self._attempt(self.primary, admission, prepared, deadline, priority)
             if second.answer is not None:
                 route = "cascade_fallback_unavailable" if first.answer is None else "cascade_escalated"
                 return answer(self.primary, second, None, route)
@@ -354,7 +403,7 @@ class Classifier:
         else:
             if first.answer is not None:
                 return answer(self.primary, first, None, ROUTE_PRIMARY_FIRST)
-            second = await self._attempt(self.fallback, admission, prepared, deadline, high)
+            second = await self._attempt(self.fallback, admission, prepared, deadline, priority)
             metrics.FALLBACK.labels(first.reason).inc()
             if second.answer is not None:
                 return answer(self.fallback, second, first.reason, ROUTE_PRIMARY_FIRST)
@@ -368,7 +417,7 @@ class Classifier:
         return self._body("no_model_available", start, decode_ms, prepared.warnings)
 
     async def _attempt(self, lane: ModelLane, admission: Admission, prepared: Prepared, deadline: Deadline,
-                       high: bool) -> Attempt:
+                       priority: str) -> Attempt:
         """``lane``'s try on the decoded request: with the ticket ``admission`` holds for it; else, for the
         routing's second model, with a ticket reserved now (kept in ``admission`` until released); else
         (the first model refused at admission) that refusal. Never raises: failures are ``Attempt``s."""
@@ -376,7 +425,7 @@ class Classifier:
         if ticket is None:
             if lane is self.order[0]:
                 return admission.refused
-            reserved = lane.reserve(high, deadline)
+            reserved = lane.reserve(priority, deadline)
             if isinstance(reserved, Attempt):
                 return reserved
             ticket = reserved
@@ -443,6 +492,7 @@ class Classifier:
             "inflight_limit": self.inflight_limit(),
             "decode_pending": self.pool.pending,
             "decode_workers": self.pool.stats(),
+            "priority": {name: dict(outcomes) for name, outcomes in self.by_priority.items()},
         }
 
     def cascade_state(self) -> dict:

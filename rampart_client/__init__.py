@@ -7,7 +7,7 @@ are the errors; ``BackoffPolicy`` sets the client's adaptive throttling and retr
 """
 
 from .backoff import BackoffPolicy
-from .client import AsyncClient, Client
+from .client import PRIORITIES, AsyncClient, Client
 from .errors import ImageRejected, Overloaded, RampartClientError, ServiceError, Throttled
 from .models import Label, ModelInfo, Prediction, Timings
 
@@ -24,4 +24,5 @@ __all__ = [
     "Throttled",
     "ServiceError",
     "BackoffPolicy",
+    "PRIORITIES",
 ]

@@ -1,6 +1,6 @@
 """The ``rampart-client`` command (also ``python -m rampart_client``).
 
-``rampart-client classify IMG... [--url URL] [--top-k K] [--deadline-ms MS] [--priority high|normal]
+``rampart-client classify IMG... [--url URL] [--top-k K] [--deadline-ms MS] [--priority high|normal|low]
 [--timeout S] [--json]`` prints each image's top labels, one line per label, or with ``--json``
 one JSON document: a list with one object per image, in order, ``{"image", "prediction"}``
 (the server's answer) or ``{"image", "error": {"type", "status", "code", "message"}}``.
@@ -15,7 +15,7 @@ import os
 import sys
 
 from . import Client, RampartClientError
-from .client import DEFAULT_TIMEOUT_S
+from .client import DEFAULT_TIMEOUT_S, PRIORITIES
 
 PROG = "rampart-client"
 DEFAULT_URL = "http://127.0.0.1:3000"
@@ -40,7 +40,7 @@ def parser() -> argparse.ArgumentParser:
     classify.add_argument("--deadline-ms", type=float, default=None,
                           help="end-to-end deadline per image in ms (X-Deadline-Ms); none: the server's "
                                "default_deadline_ms")
-    classify.add_argument("--priority", choices=("high", "normal"), default=None,
+    classify.add_argument("--priority", choices=PRIORITIES, default=None,
                           help="X-Priority; none: the server's default, normal")
     classify.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="HTTP timeout per request, s")
     classify.add_argument("--json", action="store_true",

@@ -29,7 +29,14 @@ from .backoff import Backoff, BackoffPolicy
 from .errors import ImageRejected, Overloaded, RampartClientError, ServiceError
 from .models import Prediction
 
-__all__ = ["Client", "AsyncClient", "ImageInput"]
+__all__ = ["Client", "AsyncClient", "ImageInput", "PRIORITIES"]
+
+#: The server's priority classes, sent as ``X-Priority`` (``priority=`` of every classify call; None: the
+#: server's default, ``normal``). ``low`` is bulk work that only fills capacity the others leave idle: it is
+#: answered by the primary model or refused with 429, and has a long default deadline (server setting
+#: ``low_priority_deadline_ms``). Send it from its own client: its 429s say nothing about room for normal
+#: requests, and a client's back-off history is its own. Other strings are sent as given (the server: 422).
+PRIORITIES = ("high", "normal", "low")
 
 #: A path, raw encoded bytes, or a ``PIL.Image.Image`` (sent as PNG).
 ImageInput = Union[str, os.PathLike, bytes, "PIL.Image.Image"]  # noqa: F821
@@ -154,7 +161,8 @@ class Client:
         self, image: ImageInput, top_k: int = 5, deadline_ms: float | None = None, request_id: str | None = None,
         priority: str | None = None,
     ) -> Prediction:
-        """Classify one image. Raises ``ImageRejected``, ``Overloaded`` (``Throttled``) or ``ServiceError``."""
+        """Classify one image (``priority``: one of ``PRIORITIES``). Raises ``ImageRejected``, ``Overloaded``
+        (``Throttled``) or ``ServiceError``."""
         content = image_bytes(image)
 
         def send(deadline: float | None) -> Prediction:
@@ -274,7 +282,8 @@ class AsyncClient:
         self, image: ImageInput, top_k: int = 5, deadline_ms: float | None = None, request_id: str | None = None,
         priority: str | None = None,
     ) -> Prediction:
-        """Classify one image. Raises ``ImageRejected``, ``Overloaded`` (``Throttled``) or ``ServiceError``."""
+        """Classify one image (``priority``: one of ``PRIORITIES``). Raises ``ImageRejected``, ``Overloaded``
+        (``Throttled``) or ``ServiceError``."""
         content = image_bytes(image)
 
         async def send(deadline: float | None) -> Prediction:

@@ -103,13 +103,13 @@ class AppState:
 
 @dataclass
 class Call:
-    """One classify request as its handler sees it; ``top_k``, ``deadline`` and ``high`` are set by
-    ``read_images`` (``high`` stays False when the request fails before ``X-Priority`` is read)."""
+    """One classify request as its handler sees it; ``top_k``, ``deadline`` and ``priority`` are set by
+    ``read_images`` (``priority`` stays ``normal`` when the request fails before ``X-Priority`` is read)."""
 
     request: Request
     request_id: str
     started: float  # time.perf_counter() at the handler's start
-    high: bool = False
+    priority: str = "normal"
     top_k: int = 0
     deadline: Deadline | None = None
 
@@ -220,11 +220,11 @@ async def read_images(call: Call, state: AppState, field: str, max_files: int,
     request, settings = call.request, state.settings
     call.top_k = http.parse_top_k(request)
     call.deadline = http.parse_deadline(request, settings, state.loop_lag_ms())
-    call.high = http.parse_priority(request)
+    call.priority = http.parse_priority(request)
     multipart = http.is_multipart(request)
     if not multipart and not raw_body:
         raise InvalidParameter(f"send multipart/form-data with one or more parts named {field!r}")
-    state.classifier.check_capacity(call.deadline, call.high)  # sheds (429) before the body is read
+    state.classifier.check_capacity(call.deadline, call.priority)  # sheds (429) before the body is read
     if multipart:
         texts: dict[str, str | None] = {"top_k": None}
         files = await http.read_multipart(request, field, max_files, settings.max_body_bytes, call.deadline, texts)
@@ -241,16 +241,16 @@ async def classify(request: Request, state: AppState) -> Response:
     call = Call(request, http.request_id_of(request), time.perf_counter())
     try:
         ((_, data),) = await read_images(call, state, "image", 1, raw_body=True)
-        result = await state.classifier.classify(data, call.top_k, call.deadline, call.high)
+        result = await state.classifier.classify(data, call.top_k, call.deadline, call.priority)
     except Exception as exc:
         if isinstance(exc, Overloaded) and state.shadow is not None:
             state.shadow.note_overload()  # mirrors pause while real traffic is shed
-        return failed(request, call.request_id, call.high, call.started, exc)
+        return failed(request, call.request_id, call.priority, call.started, exc)
     result["timings_ms"] = {"before_handler": round(call.deadline.before_handler_ms(), 3), **result["timings_ms"]}
     response = JSONResponse({"request_id": call.request_id, **result},
                             headers={"X-Request-Id": call.request_id,
                                      "Server-Timing": server_timing(result["timings_ms"])})
-    finished(request, call.request_id, call.high, call.started, 200, "ok", result)
+    finished(request, call.request_id, call.priority, call.started, 200, "ok", result)
     if state.shadow is not None:  # mirrored after the answer is sent: see rampart.shadow
         response.background = state.shadow.background(call.request_id, result)
     return response
@@ -265,12 +265,12 @@ async def classify_batch(request: Request, state: AppState) -> Response:
     try:
         files = await read_images(call, state, "images", state.settings.max_batch_images, raw_body=False)
     except Exception as exc:
-        return failed(request, call.request_id, call.high, call.started, exc)
+        return failed(request, call.request_id, call.priority, call.started, exc)
     results = await asyncio.gather(*(_batch_entry(state.classifier, call, i, name, data)
                                      for i, (name, data) in enumerate(files)))
     timings = batch_timings_ms(results, (time.perf_counter() - call.started) * 1000.0)
     warnings = sorted({warning for result in results for warning in result.get("input_warnings", ())})
-    finished(request, call.request_id, call.high, call.started, 200, "ok", images=len(results), input_warnings=warnings)
+    finished(request, call.request_id, call.priority, call.started, 200, "ok", images=len(results), input_warnings=warnings)
     return JSONResponse({"request_id": call.request_id, "results": results},
                         headers={"X-Request-Id": call.request_id, "Server-Timing": server_timing(timings)})
 
@@ -279,7 +279,7 @@ async def _batch_entry(classifier: Classifier, call: Call, index: int, filename:
     """One ``/classify_batch`` entry: ``index``, ``filename`` and the result, or ``status`` and ``error``."""
     entry = {"index": index, "filename": filename}
     try:
-        return {**entry, **(await classifier.classify(data, call.top_k, call.deadline, call.high))}
+        return {**entry, **(await classifier.classify(data, call.top_k, call.deadline, call.priority))}
     except RampartError as exc:
         error = exc
     except Exception:
@@ -327,26 +327,26 @@ async def stats(request: Request, state: AppState) -> Response:
     return JSONResponse(body)
 
 
-def failed(request: Request, request_id: str, high: bool, started: float, exc: Exception) -> JSONResponse:
+def failed(request: Request, request_id: str, priority: str, started: float, exc: Exception) -> JSONResponse:
     """The error response for ``exc`` (a ``RampartError``, else a logged 500), accounted and logged."""
     if not isinstance(exc, RampartError):
         logger.exception("unexpected failure for request %s", request_id, exc_info=exc)
         exc = InternalError("an unexpected error occurred; see the server log")
-    finished(request, request_id, high, started, exc.status, exc.code)
+    finished(request, request_id, priority, started, exc.status, exc.code)
     return http.error_response(exc, request_id)
 
 
 def route_error_answered(request: Request, request_id: str, started: float, error: RampartError) -> None:
     """Account and log a 404/405 answered by ``rampart.api.routing.JSONRouteErrors``."""
-    finished(request, request_id, False, started, error.status, error.code)
+    finished(request, request_id, "normal", started, error.status, error.code)
 
 
-def finished(request: Request, request_id: str, high: bool, started: float, status: int, code: str,
+def finished(request: Request, request_id: str, priority: str, started: float, status: int, code: str,
              result: dict | None = None, **extra: object) -> None:
     """Count the answer (``rampart_responses_total``) and write its access-log line."""
     metrics.RESPONSES.labels(str(status), code).inc()
     metrics.update_process_rss("api")
-    log_request(request_id, request.url.path, status, code, high, (time.perf_counter() - started) * 1000.0,
+    log_request(request_id, request.url.path, status, code, priority, (time.perf_counter() - started) * 1000.0,
                 result, **extra)
 
 

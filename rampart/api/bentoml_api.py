@@ -155,7 +155,7 @@ def error_table() -> str:
 
 CLASSIFY_DOC = f"""Classify one image: the same handler as `POST /classify` (multipart field `image`, or a raw body).
 
-Query `top_k` (1..20, default 5); headers `X-Deadline-Ms`, `X-Priority` (`high`/`normal`),
+Query `top_k` (1..20, default 5); headers `X-Deadline-Ms`, `X-Priority` (`high`/`normal`/`low`),
 `X-Request-Id`. Errors are JSON `{{"error": {{"code", "message", "request_id"}}}}`:
 
 {error_table()}

@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse
 
 from rampart.api.arrival import Arrival, arrival_of
 from rampart.config import Settings
+from rampart.overload.admission import PRIORITIES
 from rampart.overload.deadline import Deadline, run_within
 from rampart.errors import (
     BodyTimeout,
@@ -91,7 +92,8 @@ def top_k_of(raw: str) -> int:
 
 def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.0,
                    arrival: Arrival | None = None) -> Deadline:
-    """``X-Deadline-Ms``: a positive number of ms, default ``default_deadline_ms``, capped at ``max_deadline_ms``.
+    """``X-Deadline-Ms``: a positive number of ms, default ``default_deadline_ms`` (``low_priority_deadline_ms``
+    for ``X-Priority: low``), capped at ``max_deadline_ms``.
 
     The budget is counted from the request's arrival (``rampart.api.arrival``: its
     first byte, or an earlier ``X-Request-Start`` from a load balancer), not from
@@ -107,7 +109,9 @@ def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.
         arrival = arrival_of(request.scope, request.headers.get("x-request-start"), settings.max_deadline_ms)
     raw = request.headers.get("x-deadline-ms")
     if raw is None:
-        return Deadline.sliced(settings.default_deadline_ms, arrival, settings, loop_lag_ms)
+        low = request.headers.get("x-priority", "").strip().lower() == "low"
+        default_ms = settings.low_priority_deadline_ms if low else settings.default_deadline_ms
+        return Deadline.sliced(default_ms, arrival, settings, loop_lag_ms)
     try:
         budget = float(raw)
     except ValueError:
@@ -123,12 +127,13 @@ def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.
     return Deadline.sliced(min(budget, settings.max_deadline_ms), arrival, settings, loop_lag_ms)
 
 
-def parse_priority(request: Request) -> bool:
-    """``X-Priority``: ``high`` or ``normal`` (default), any case; True for high, else ``InvalidParameter``."""
+def parse_priority(request: Request) -> str:
+    """``X-Priority``: ``high``, ``normal`` (default) or ``low``, any case; the class name
+    (``rampart.overload.admission.PRIORITIES``), else ``InvalidParameter``."""
     raw = request.headers.get("x-priority", "normal").strip().lower()
-    if raw not in ("high", "normal"):
-        raise InvalidParameter(f"X-Priority must be 'high' or 'normal', got {raw[:32]!r}")
-    return raw == "high"
+    if raw not in PRIORITIES:
+        raise InvalidParameter(f"X-Priority must be 'high', 'normal' or 'low', got {raw[:32]!r}")
+    return raw
 
 
 async def read_body(request: Request, limit: int, deadline: Deadline) -> bytes:

@@ -40,8 +40,8 @@ Tensors (names as in ``model_metadata``):
 
 Request ``parameters``: ``top_k`` (1..20, default 5), ``deadline_ms`` (same rules as the
 ``X-Deadline-Ms`` header, counted from the request's arrival; Triton's ``timeout`` in µs is
-read the same way), ``priority`` (``"high"``/``"normal"``, or Triton's integers: 1 high,
-0 and 2 normal). Response ``parameters``: ``request_id``, ``degraded`` (any image degraded),
+read the same way), ``priority`` (``"high"``/``"normal"``/``"low"``, or Triton's integers: 1 high,
+0 and 2 normal, 3 low). Response ``parameters``: ``request_id``, ``degraded`` (any image degraded),
 ``needs_review`` (any image) and the timings ``decode_ms``, ``queue_ms``, ``inference_ms``,
 ``total_ms`` (the slowest image's).
 
@@ -487,18 +487,18 @@ class _Parameters:
 
 
 def request_options(request: Request, parameters: dict, settings: Settings, lag_ms: float,
-                    deadline: Deadline) -> tuple[int, bool, Deadline]:
-    """``(top_k, high, deadline)`` of an inference request: its ``parameters`` over the request's query and
+                    deadline: Deadline) -> tuple[int, str, Deadline]:
+    """``(top_k, priority, deadline)`` of an inference request: its ``parameters`` over the request's query and
     headers (``X-Deadline-Ms``, ``X-Priority``), each read by the parser ``/classify`` uses.
 
     ``deadline`` is the one the headers gave; a ``deadline_ms`` or ``timeout`` parameter replaces it,
     counted from the same arrival. ``InvalidParameter`` (422) for any value out of its range or type.
     """
     view = _Parameters(request, parameters)
-    top_k, high = http.parse_top_k(view), http.parse_priority(view)
+    top_k, priority = http.parse_top_k(view), http.parse_priority(view)
     if view.sets_deadline:  # counted from the same arrival as the header's
         deadline = http.parse_deadline(view, settings, lag_ms, deadline.arrival)
-    return top_k, high, deadline
+    return top_k, priority, deadline
 
 
 def _text(value: Any, name: str) -> str:
@@ -515,14 +515,14 @@ def _number(value: Any, name: str) -> float:
 
 
 def _priority(value: Any) -> str:
-    """Triton's integer levels (1 high; 0 default and 2 normal) or Rampart's words."""
+    """Triton's integer levels (1 high; 0 default and 2 normal; 3 low) or Rampart's words."""
     if isinstance(value, int) and not isinstance(value, bool):
-        if value in (0, 1, 2):
-            return "high" if value == 1 else "normal"
-        raise InvalidParameter(f"parameter priority must be 0, 1 (high) or 2 (normal), got {str(value)[:32]}")
+        if value in (0, 1, 2, 3):
+            return {1: "high", 3: "low"}.get(value, "normal")
+        raise InvalidParameter(f"parameter priority must be 0, 1 (high), 2 (normal) or 3 (low), got {str(value)[:32]}")
     if isinstance(value, str):
         return value
-    raise InvalidParameter(f"parameter priority must be 'high', 'normal' or 0..2, got {_kind(value)}")
+    raise InvalidParameter(f"parameter priority must be 'high', 'normal', 'low' or 0..3, got {_kind(value)}")
 
 
 def _rows(results: list[dict], top_k: int) -> dict[str, np.ndarray]:
@@ -630,7 +630,7 @@ def model_config(settings: Settings, version: str, models: dict[str, str] | None
 
     ``max_batch_size`` is ``max_batch_images`` (images per request); ``dynamic_batching``
     describes the primary's batcher (``primary_max_batch_size``, ``primary_queue_delay_ms``),
-    two priority levels (1 high, 2 normal) and the default deadline as queue timeout.
+    three priority levels (1 high, 2 normal, 3 low) and the default deadline as queue timeout.
     ``dims`` leave out the batch dimension: ``IMAGE`` is ``[1]`` (one encoded image per
     batch element, the request's shape ``[N, 1]``), ``PIXELS`` ``[-1, -1, 3]``; both are
     optional, since a request sends one of them. ``models`` (role: ``name:version``, the
@@ -652,7 +652,7 @@ def model_config(settings: Settings, version: str, models: dict[str, str] | None
         "dynamic_batching": {
             "preferred_batch_size": [settings.primary_max_batch_size],
             "max_queue_delay_microseconds": int(settings.primary_queue_delay_ms * 1000),
-            "priority_levels": 2,
+            "priority_levels": 3,
             "default_priority_level": 2,
             "default_queue_policy": {
                 "timeout_action": "REJECT",
@@ -806,7 +806,7 @@ def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -
     """The protocol's Starlette routes.
 
     ``backend`` is the app's state (classifier, lifecycle, loop lag, readiness:
-    ``rampart.api.app.AppState``); ``account(request, request_id, high, started, status,
+    ``rampart.api.app.AppState``); ``account(request, request_id, priority, started, status,
     code, **extra)`` counts and logs each inference answer (``rampart.api.app.finished``),
     so ``/v2`` traffic shows in the same metrics and access log.
     """
@@ -878,39 +878,39 @@ def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -
         try:  # refused (503) before warm-up and during a drain, else counted in flight until answered
             admission = backend.lifecycle.admit()
         except RampartError as exc:
-            account(request, request_id, False, started, exc.status, exc.code)
+            account(request, request_id, "normal", started, exc.status, exc.code)
             return error_response(exc, request_id)
         with admission:
             return await admitted_infer(request, started, request_id)
 
     async def admitted_infer(request: Request, started: float, request_id: str) -> Response:
-        high = False
+        priority = "normal"
         missing = unknown_model(request)
         if missing is not None:
             return missing
         try:
             lag_ms = backend.loop_lag_ms()
             deadline = http.parse_deadline(request, settings, lag_ms)
-            high = http.parse_priority(request)
+            priority = http.parse_priority(request)
             classifier = backend.classifier
-            classifier.check_capacity(deadline, high)  # sheds (429) before the body is read
+            classifier.check_capacity(deadline, priority)  # sheds (429) before the body is read
             limit = settings.max_batch_images * (settings.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
             body = await read_infer_body(request, limit, deadline)  # /classify_batch's cap
             parsed = await _parse_within(body, request.headers.get(HEADER_LENGTH), limits, deadline)
             del body  # the images hold what is needed of it
-            top_k, high, deadline = request_options(request, parsed.parameters, settings, lag_ms, deadline)
-            results = await _classify_all(classifier, parsed.images, top_k, deadline, high)
+            top_k, priority, deadline = request_options(request, parsed.parameters, settings, lag_ms, deadline)
+            results = await _classify_all(classifier, parsed.images, top_k, deadline, priority)
         except Exception as exc:
             if not isinstance(exc, RampartError):
                 logger.exception("unexpected failure for request %s", request_id, exc_info=exc)
                 exc = InternalError("an unexpected error occurred; see the server log")
-            account(request, request_id, high, started, exc.status, exc.code)
+            account(request, request_id, priority, started, exc.status, exc.code)
             statistics.failed((time.perf_counter() - started) * 1000.0)
             return error_response(exc, request_id)
         encoding = time.perf_counter()
         response = encode_infer_response(parsed, results, top_k, request_id, MODEL_VERSION)
         answered = time.perf_counter()
-        account(request, request_id, high, started, 200, "ok", images=len(results))
+        account(request, request_id, priority, started, 200, "ok", images=len(results))
         statistics.answered(results, (answered - started) * 1000.0, (answered - encoding) * 1000.0)
         return response
 
@@ -930,9 +930,9 @@ def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -
 
 
 async def _classify_all(classifier: Any, images: list[bytes], top_k: int, deadline: Deadline,
-                        high: bool) -> list[dict]:
+                        priority: str) -> list[dict]:
     """``classifier.classify`` for every image at once; the first failing image (by index) fails the request."""
-    answers = await asyncio.gather(*(classifier.classify(data, top_k, deadline, high) for data in images),
+    answers = await asyncio.gather(*(classifier.classify(data, top_k, deadline, priority) for data in images),
                                    return_exceptions=True)
     for index, answer in enumerate(answers):
         if isinstance(answer, RampartError):

@@ -19,14 +19,30 @@ I/O), twice: on arrival, before the body is read, ``has_room`` only looks (so
 shedding costs next to nothing and a slow upload holds no place); once the body
 is in, ``reserve`` takes a ``Ticket``. A request is refused (``Shed``) when
 
-- the gate is full (``queue_full``); a high-priority arrival instead evicts the
-  newest queued normal request, which is shed with ``evicted``;
+- the gate is full (``queue_full``); an arrival of a higher class instead evicts the
+  newest queued request of the lowest class below it (low first, then, for a high
+  arrival, normal), which is shed with ``evicted``;
+- it is of the ``low`` class and a request of a higher class is queued
+  (``higher_priority_waiting``): low work only takes capacity the others leave idle;
 - the predicted completion time exceeds what is left of its deadline
   (``predicted_late``): the images ahead of it and itself (rounded up to whole
   batches when a batch is full) times the measured time per image. The check is
   made again when the request's turn comes, after decoding.
 
 The caller then tries the next model in the chain (see ``rampart.pipeline``).
+
+**Priority classes** (``PRIORITIES``, header ``X-Priority``): ``high``, ``normal``, ``low``.
+Waiting requests are dispatched high first, then normal, then low, each in arrival
+order; a request's prediction counts only the images ahead of it (dispatched, and
+queued at its class or higher), so queued low requests never make a normal one look
+late. The low class is bulk work that fills idle capacity: it is admitted only while
+no request of a higher class is queued, its queued tickets are the first a full
+gate evicts, and it is dispatched only while fewer than ``low_window`` images (a sixteenth of a batch
+share, at least one) are dispatched: a normal or high arrival finds at most that many images in
+the runner ahead of it, and the rest of the window (always more than a batch) is
+free for it, so a low item never holds a place a higher one could take. (Items
+already sent to the runner cannot be called back; the small low window is what
+keeps them out of a higher request's way.)
 
 For experiments only (setting ``admission``, docs/benchmarks.md, "Ablation"), a gate's ``mode`` can
 switch shedding off in part: ``queue-bound`` refuses only ``queue_full`` (no
@@ -62,18 +78,41 @@ import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
 
-__all__ = ["DECODING", "ADMISSION_MODES", "Shed", "ThroughputMeter", "Ticket", "AdmissionGate"]
+__all__ = ["DECODING", "ADMISSION_MODES", "PRIORITIES", "priority_rank", "priority_name", "Shed", "ThroughputMeter",
+           "Ticket", "AdmissionGate"]
 
 #: Pseudo-bucket of queued requests whose image is still being decoded.
 DECODING = "decoding"
 #: What a gate may refuse (``AdmissionGate.mode``, setting ``admission``): ``full`` (queue bound and predicted
 #: lateness: production), ``queue-bound`` (queue bound only), ``off`` (nothing). The last two are for experiments.
 ADMISSION_MODES = ("full", "queue-bound", "off")
+#: The priority classes (``X-Priority``), highest first; a class's rank is its index (0 high, 1 normal, 2 low).
+PRIORITIES = ("high", "normal", "low")
+HIGH, NORMAL, LOW = range(3)
+
+
+def priority_rank(priority: str | bool | int) -> int:
+    """The rank (0 high, 1 normal, 2 low) of a class name of ``PRIORITIES``; a bool is read as the two classes
+    callers had before the low class (True high, False normal), an int as a rank already. Raises ``ValueError``
+    for any other name or rank."""
+    if isinstance(priority, bool):
+        return HIGH if priority else NORMAL
+    if isinstance(priority, int) and HIGH <= priority <= LOW:
+        return priority
+    try:
+        return PRIORITIES.index(priority)
+    except ValueError:
+        raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}") from None
+
+
+def priority_name(priority: str | bool) -> str:
+    """The class name (``PRIORITIES``) of ``priority`` (a name, or a bool as in ``priority_rank``)."""
+    return PRIORITIES[priority_rank(priority)]
 
 
 class Shed(Exception):
-    """A request was not admitted (or was evicted); ``reason`` is ``queue_full``, ``predicted_late`` or ``evicted``
-    from a gate, ``timeout`` or ``circuit_open`` from a model lane (``rampart.lane``)."""
+    """A request was not admitted (or was evicted); ``reason`` is ``queue_full``, ``predicted_late``, ``evicted`` or
+    ``higher_priority_waiting`` (a low request while a higher one is queued) from a gate, ``timeout`` or ``circuit_open`` from a model lane (``rampart.lane``)."""
 
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
@@ -182,21 +221,26 @@ class Ticket:
 
     ``async with ticket.turn():`` waits until the gate dispatches it and holds the
     dispatch slot for the runner call; ``cancel()`` gives back a ticket that will
-    not be used. A ticket may be evicted by a high-priority arrival while it waits:
-    ``turn()`` then raises ``Shed("evicted")``.
+    not be used. A ticket may be evicted by an arrival of a higher class while it waits:
+    ``turn()`` then raises ``Shed("evicted")``. ``rank`` is its class (``priority_rank``).
     """
 
-    def __init__(self, gate: "AdmissionGate", high: bool, seq: int) -> None:
+    def __init__(self, gate: "AdmissionGate", rank: int, seq: int) -> None:
         self.gate = gate
-        self.high = high
+        self.rank = rank
         self.seq = seq
         self.future: asyncio.Future | None = None
         self.evicted = False
         self.bucket = DECODING  # the bucket it waits in, once its image is decoded
 
+    @property
+    def high(self) -> bool:
+        """Whether the ticket is of the high class."""
+        return self.rank == HIGH
+
     @asynccontextmanager
     async def turn(self, remaining_s: Callable[[], float] | None = None, bucket: str = DECODING) -> AsyncIterator[None]:
-        """Wait for dispatch (high priority first, then arrival order), then hold the slot.
+        """Wait for dispatch (high first, then normal, then low, each in arrival order), then hold the slot.
 
         At dispatch the prediction is made again with ``remaining_s()`` (seconds
         left, if given): a request that can no longer finish in time is not sent
@@ -206,13 +250,13 @@ class Ticket:
         """
         gate = self.gate
         if self.evicted:
-            raise Shed("evicted", f"{gate.name}: evicted by a high-priority request")
+            raise Shed("evicted", f"{gate.name}: evicted by a request of a higher priority class")
         gate._move(self, bucket)
-        if gate.dispatched < gate.window and not gate._heap_has_waiters():
+        if gate.dispatched < gate.window_for(self.rank) and not gate._heap_has_waiters(self.rank):
             gate._take(self)
         else:
             self.future = asyncio.get_running_loop().create_future()
-            heapq.heappush(gate._heap, (0 if self.high else 1, self.seq, self))
+            heapq.heappush(gate._heap, (self.rank, self.seq, self))
             try:
                 await self.future
             except BaseException:
@@ -253,8 +297,9 @@ class AdmissionGate:
     batch (``batch_share``), at least 1 each (``Settings`` refuses more workers than
     the smaller ``max_batch_size``, so the gates' shares and windows never add up to
     more than the runner's). Its ``meter`` should have ``share=1/workers``.
-    ``has_room(high, budget_s)`` answers on arrival whether a request would get a place; ``reserve(high, budget_s)``, once its body
-    is in, returns a ``Ticket`` or raises ``Shed`` (both decide with ``refusal``);
+    ``has_room(priority, budget_s)`` answers on arrival whether a request would get a place; ``reserve(priority,
+    budget_s)``, once its body is in, returns a ``Ticket`` or raises ``Shed`` (both decide with ``refusal``);
+    ``priority`` is a class of ``PRIORITIES`` (or a bool: True high, False normal);
     ``async with ticket.turn():`` goes around the runner call. ``mode`` (``ADMISSION_MODES``)
     is ``full`` in production; ``queue-bound`` and ``off`` switch shedding off in part, for
     experiments (module doc).
@@ -278,12 +323,39 @@ class AdmissionGate:
         self.meter = meter
         self.dispatched = 0
         self.queued = 0  # tickets reserved or waiting, not dispatched yet
-        self.queued_high = 0
+        self.queued_by_rank = [0, 0, 0]  # the same, by class (0 high, 1 normal, 2 low)
         self._pending: dict[int, Ticket] = {}  # the queued tickets, in arrival order
         self._heap: list[tuple[int, int, Ticket]] = []
         self._seq = itertools.count()
         self.queued_by_bucket: dict[str, int] = {DECODING: 0}
         self.on_change: Callable[["AdmissionGate"], None] = lambda gate: None  # e.g. to update gauges
+
+    @property
+    def queued_high(self) -> int:
+        """High-priority tickets queued."""
+        return self.queued_by_rank[HIGH]
+
+    #: Low-priority images dispatched at most at once, as a share of ``batch_share`` (``low_window``).
+    LOW_BATCH_FRACTION = 1 / 16
+
+    @property
+    def low_window(self) -> int:
+        """Most images dispatched at once while low ones are being dispatched: ``LOW_BATCH_FRACTION`` of a batch
+        share (at least 1, and never more than the window less one batch share): 1 image with the primary's
+        default batch of 16. A normal or high arrival then finds at most that many images ahead of it in the
+        runner. Measured on the shared 2-core host (tests/server/test_low_priority.py), larger low windows
+        pushed normal requests onto the fallback: with the window less one batch, and with a quarter batch
+        (4 images, 0.4 s of work at the 10 img/s the loaded host gave), a normal arrival's predicted
+        completion passed the primary's share of its 1 s deadline."""
+        return max(1, min(int(self.batch_share * self.LOW_BATCH_FRACTION), self.window - self.batch_share))
+
+    def window_for(self, rank: int) -> int:
+        """The dispatch window for a ticket of class ``rank``: ``low_window`` for low, else ``window``."""
+        return self.low_window if rank == LOW else self.window
+
+    def queued_by_priority(self) -> dict[str, int]:
+        """Queued tickets by class name, for ``/stats``."""
+        return dict(zip(PRIORITIES, self.queued_by_rank))
 
     @property
     def queue_limit(self) -> int:
@@ -293,13 +365,17 @@ class AdmissionGate:
             return self.batch_share
         return max(self.batch_share, int(ips * self.queue_delay_ms / 1000.0))
 
-    def predicted_s(self, high: bool) -> float:
-        """Predicted seconds until a request arriving now with priority ``high`` is answered.
+    def predicted_s(self, priority: str | bool) -> float:
+        """Predicted seconds until a request of class ``priority`` arriving now is answered.
 
         See ``completion_s``; the images ahead are those dispatched plus those queued
-        at its priority or higher.
+        at its class or higher.
         """
-        return self.completion_s(self.dispatched + (self.queued_high if high else self.queued) + 1)
+        return self.completion_s(self.dispatched + self._ahead(priority_rank(priority)) + 1)
+
+    def _ahead(self, rank: int) -> int:
+        """Tickets queued at class ``rank`` or higher."""
+        return sum(self.queued_by_rank[:rank + 1])
 
     def completion_s(self, images: int) -> float:
         """Predicted seconds until the last of ``images`` (the request itself and those ahead) is answered.
@@ -316,42 +392,51 @@ class AdmissionGate:
             images = math.ceil(images / self.batch_share) * self.batch_share
         return images * ms / 1000.0
 
-    def refusal(self, high: bool, budget_s: float) -> Shed | None:
-        """Why a request with ``budget_s`` seconds left and priority ``high`` would be shed now, or None when
+    def refusal(self, priority: str | bool, budget_s: float) -> Shed | None:
+        """Why a request of class ``priority`` with ``budget_s`` seconds left would be shed now, or None when
         it may take a place; changes nothing.
 
         ``predicted_late`` when its predicted completion (``predicted_s``) is past
-        ``budget_s``, unless the gate is idle (the meter may be stale); ``queue_full``
-        when ``window`` are dispatched and ``queue_limit`` queued, unless it is high
-        priority and a normal request is queued (``reserve`` then evicts it).
+        ``budget_s``, unless the gate is idle (the meter may be stale);
+        ``higher_priority_waiting`` for a low request while a normal or high one is
+        queued; ``queue_full`` when ``window`` are dispatched and ``queue_limit``
+        queued, unless a request of a lower class is queued (``reserve`` then evicts it).
         """
-        predicted = self.predicted_s(high)
-        idle = self.dispatched == 0 and (self.queued_high if high else self.queued) == 0
+        rank = priority_rank(priority)
+        predicted = self.predicted_s(rank)
+        idle = self.dispatched == 0 and self._ahead(rank) == 0
         if self.predicts and predicted > budget_s and not idle:  # an idle model always gets a try: the meter may be stale
             return Shed("predicted_late", f"{self.name}: predicted {predicted * 1000:.0f} ms > {budget_s * 1000:.0f} ms left")
-        if self._full() and not (high and self._newest_normal() is not None):
+        if rank == LOW and self._ahead(NORMAL) > 0 and self.mode != "off":
+            return Shed("higher_priority_waiting",
+                        f"{self.name}: {self._ahead(NORMAL)} requests of a higher class are queued; low priority "
+                        "work only takes idle capacity")
+        if self._full() and self._newest_below(rank) is None:
             return Shed("queue_full", f"{self.name}: {self.queued} requests queued, the limit is {self.queue_limit}")
         return None
 
-    def has_room(self, high: bool, budget_s: float) -> bool:
-        """Whether ``reserve(high, budget_s)`` would succeed now, without reserving anything."""
-        return self.refusal(high, budget_s) is None
+    def has_room(self, priority: str | bool, budget_s: float) -> bool:
+        """Whether ``reserve(priority, budget_s)`` would succeed now, without reserving anything."""
+        return self.refusal(priority, budget_s) is None
 
-    def reserve(self, high: bool, budget_s: float) -> Ticket:
-        """Admit a request that has ``budget_s`` seconds left, or raise the ``Shed`` of ``refusal`` at once.
+    def reserve(self, priority: str | bool, budget_s: float) -> Ticket:
+        """Admit a request of class ``priority`` (``PRIORITIES``, or a bool: True high) that has ``budget_s``
+        seconds left, or raise the ``Shed`` of ``refusal`` at once.
 
-        When the gate is full, a high-priority request evicts the newest queued normal
-        one (which is shed with ``evicted``) and takes its place.
+        When the gate is full, the newest queued request of the lowest class below the
+        arrival's (low, then normal) is evicted (shed with ``evicted``) and the arrival
+        takes its place.
         """
-        shed = self.refusal(high, budget_s)
+        rank = priority_rank(priority)
+        shed = self.refusal(rank, budget_s)
         if shed is not None:
             raise shed
         if self._full():
-            self._evict(self._newest_normal())
-        ticket = Ticket(self, high, next(self._seq))
+            self._evict(self._newest_below(rank))
+        ticket = Ticket(self, rank, next(self._seq))
         self._pending[ticket.seq] = ticket
         self.queued += 1
-        self.queued_high += high
+        self.queued_by_rank[rank] += 1
         self.queued_by_bucket[DECODING] += 1
         self.on_change(self)
         return ticket
@@ -396,7 +481,7 @@ class AdmissionGate:
     def _forget(self, ticket: Ticket) -> None:
         del self._pending[ticket.seq]
         self.queued -= 1
-        self.queued_high -= ticket.high
+        self.queued_by_rank[ticket.rank] -= 1
         self.queued_by_bucket[ticket.bucket] -= 1
         self.on_change(self)
 
@@ -420,21 +505,30 @@ class AdmissionGate:
         self.dispatched -= 1
         self.meter.busy(self.dispatched > 0)
         while self._heap and self.dispatched < self.window:
-            _, _, ticket = heapq.heappop(self._heap)
-            if ticket.queued and ticket.future is not None and not ticket.future.done():
+            rank, _, ticket = self._heap[0]
+            waiting = ticket.queued and ticket.future is not None and not ticket.future.done()
+            if waiting and self.dispatched >= self.window_for(rank):
+                break  # the rest of the heap is low priority too: it waits for the batch share to free up
+            heapq.heappop(self._heap)
+            if waiting:
                 self._take(ticket)
                 ticket.future.set_result(None)
 
-    def _heap_has_waiters(self) -> bool:
-        return any(t.queued and t.future is not None and not t.future.done() for _, _, t in self._heap)
+    def _heap_has_waiters(self, rank: int) -> bool:
+        """Whether a ticket of class ``rank`` or higher waits for dispatch (a lower one never holds it back)."""
+        return any(t.queued and t.future is not None and not t.future.done() for r, _, t in self._heap if r <= rank)
 
-    def _newest_normal(self) -> Ticket | None:
-        """The normal-priority ticket queued last, or None."""
-        return next((ticket for ticket in reversed(self._pending.values()) if not ticket.high), None)
+    def _newest_below(self, rank: int) -> Ticket | None:
+        """The ticket a full gate evicts for an arrival of class ``rank``: the newest queued one of the lowest
+        class below ``rank`` (low first, then normal), or None."""
+        for lower in range(LOW, rank, -1):
+            if self.queued_by_rank[lower]:
+                return next(ticket for ticket in reversed(self._pending.values()) if ticket.rank == lower)
+        return None
 
     def _evict(self, ticket: Ticket) -> None:
         """Take ``ticket``'s place away; its ``turn()`` raises ``Shed("evicted")``."""
         self._forget(ticket)
         ticket.evicted = True
         if ticket.future is not None and not ticket.future.done():
-            ticket.future.set_exception(Shed("evicted", f"{self.name}: evicted by a high-priority request"))
+            ticket.future.set_exception(Shed("evicted", f"{self.name}: evicted by a request of a higher priority class"))

@@ -17,6 +17,8 @@ import logging
 import sys
 import time
 
+from rampart.overload.admission import priority_name
+
 __all__ = ["access_logger", "log_request", "server_timing"]
 
 
@@ -32,7 +34,7 @@ def access_logger() -> logging.Logger:
     return logger
 
 
-def log_request(request_id: str, path: str, status: int, code: str, high: bool, duration_ms: float,
+def log_request(request_id: str, path: str, status: int, code: str, priority: str | bool, duration_ms: float,
                 result: dict | None = None, **extra: object) -> None:
     """Emit the access line of one request; ``result`` is a ``/classify`` answer body, if any."""
     result = result or {}
@@ -42,7 +44,7 @@ def log_request(request_id: str, path: str, status: int, code: str, high: bool, 
         "path": path,
         "status": status,
         "code": code,
-        "priority": "high" if high else "normal",
+        "priority": priority_name(priority),
         "bucket": result.get("bucket"),
         "model": (result.get("model") or {}).get("name"),
         "degraded_reason": result.get("degraded_reason"),

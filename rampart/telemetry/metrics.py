@@ -23,6 +23,7 @@ import psutil
 from prometheus_client import Counter, Gauge, Histogram
 
 from rampart.inputs import recovery
+from rampart.overload.admission import PRIORITIES
 
 __all__ = [
     "QUEUE_DEPTH", "INFLIGHT_BATCHES", "ADMITTED", "REJECTED", "RESPONSES", "TTL_DROPPED", "FALLBACK", "DEGRADED",
@@ -106,11 +107,23 @@ LOOP_LAG = Gauge("rampart_event_loop_lag_seconds", "Largest event-loop lag of th
 
 #: The fixed label values, created at start-up so every series exists (at 0) before its first event.
 MODELS = ("primary", "fallback")
-REJECT_REASONS = ("queue_full", "predicted_late", "evicted", "circuit_open", "timeout")
+REJECT_REASONS = ("queue_full", "predicted_late", "evicted", "higher_priority_waiting", "circuit_open", "timeout")
 FALLBACK_REASONS = ("primary_overloaded", "primary_circuit_open", "primary_timeout", "primary_error")
 DEGRADED_REASONS = FALLBACK_REASONS + ("cached_result", "no_model_available", "deadline_exceeded")
 #: Where a request can be when its client goes (``rampart.api.connections.STAGES``).
 CLIENT_GONE_STAGES = ("body", "decode", "queue", "model")
+
+
+# Priority classes (X-Priority; rampart.overload.admission.PRIORITIES) and what became of their requests.
+#: ``primary`` / ``fallback`` / ``cache`` / ``none`` (the static answer): who answered; ``shed``: a 429.
+PRIORITY_OUTCOMES = ("primary", "fallback", "cache", "none", "shed")
+PRIORITY_OUTCOMES_TOTAL = Counter(
+    "rampart_priority_outcomes_total",
+    "Classified images by priority class (high, normal, low) and outcome: answered by the primary, the fallback, "
+    "the cache or the static answer (none), or refused with 429 (shed).",
+    ["priority", "outcome"],
+)
+__all__ += ["PRIORITIES", "PRIORITY_OUTCOMES", "PRIORITY_OUTCOMES_TOTAL"]
 
 
 def init_api_series() -> None:
@@ -130,6 +143,9 @@ def init_api_series() -> None:
     for reason in ("head_timeout", "idle"):
         CONNECTIONS_CLOSED.labels(reason)
     BREAKER_STATE.labels("primary").set(0)
+    for priority in PRIORITIES:
+        for outcome in PRIORITY_OUTCOMES:
+            PRIORITY_OUTCOMES_TOTAL.labels(priority, outcome)
 
 
 def init_runner_series(model: str) -> None:

@@ -33,7 +33,7 @@ def test_health_metadata_and_config(client):
         oip.IMAGE: ("BYTES", [-1, 1]), oip.PIXELS: ("UINT8", [-1, -1, -1, 3])}
     assert {t["name"]: t["datatype"] for t in metadata["outputs"]} == oip.OUTPUT_DATATYPES
     config = client.get_model_config(oip.MODEL_NAME, model_version=metadata["versions"][0])
-    assert config["max_batch_size"] == 16 and config["dynamic_batching"]["priority_levels"] == 2
+    assert config["max_batch_size"] == 16 and config["dynamic_batching"]["priority_levels"] == 3
     assert {t["name"]: t["dims"] for t in config["input"]} == {oip.IMAGE: [1], oip.PIXELS: [-1, -1, 3]}
     assert config["parameters"]["primary_model"]["string_value"].startswith("rampart-primary:")
     with pytest.raises(InferenceServerException) as unknown:

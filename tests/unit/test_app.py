@@ -361,3 +361,14 @@ def test_open_inference_protocol_routes_use_the_app_state(rig):
     rig.lifecycle.begin_drain()
     assert rig.client.get("/v2/health/ready").status_code == 503
     assert rig.client.post("/v2/models/rampart/infer", json={"inputs": [image]}).status_code == 503
+
+
+def test_x_priority_low_is_answered_by_the_primary_and_counted_apart_in_stats_and_metrics(rig):
+    response = rig.client.post("/classify", content=CAT, headers={"X-Priority": "low"})
+    assert response.status_code == 200, response.text
+    assert response.json()["route"] == "low_priority" and response.json()["model"]["name"] == "rampart-primary"
+    stats = rig.client.get("/stats").json()
+    assert stats["priority"]["low"]["primary"] == 1 and stats["priority"]["normal"]["primary"] == 0
+    assert stats["primary"]["queued_by_priority"] == {"high": 0, "normal": 0, "low": 0}
+    from prometheus_client import REGISTRY  # /metrics is BentoML's; in-process the counters are the registry's
+    assert REGISTRY.get_sample_value("rampart_priority_outcomes_total", {"priority": "low", "outcome": "primary"}) >= 1

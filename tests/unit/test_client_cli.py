@@ -51,3 +51,12 @@ def test_python_dash_m_bench_loadgen_help_prints_its_options():
                          timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("usage: python -m bench.loadgen"), out.stderr
     assert "--connections" in out.stdout and "(default: closed)" in out.stdout
+
+
+def test_the_cli_and_the_sdk_know_the_three_priority_classes():
+    import rampart_client
+    from rampart.overload.admission import PRIORITIES
+    from rampart_client.__main__ import parser
+
+    assert rampart_client.PRIORITIES == PRIORITIES  # the SDK's list is the server's
+    assert parser().parse_args(["classify", "x.jpg", "--priority", "low"]).priority == "low"

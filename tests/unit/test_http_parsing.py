@@ -136,13 +136,26 @@ def test_top_k_outside_1_to_20_or_not_an_integer_is_422(raw):
     assert error.value.status == 422
 
 
-@pytest.mark.parametrize("raw, high", [(None, False), ("normal", False), ("NORMAL", False), ("high", True),
-                                       (" High ", True)])
-def test_priority_is_high_or_normal_in_any_case(raw, high):
-    assert http.parse_priority(request({} if raw is None else {"X-Priority": raw})) is high
+@pytest.mark.parametrize("raw, priority", [(None, "normal"), ("normal", "normal"), ("NORMAL", "normal"),
+                                           ("high", "high"), (" High ", "high"), ("low", "low"), ("LOW ", "low")])
+def test_priority_is_high_normal_or_low_in_any_case(raw, priority):
+    assert http.parse_priority(request({} if raw is None else {"X-Priority": raw})) == priority
 
 
-@pytest.mark.parametrize("raw", ["urgent", "1", "", "low"])
+def test_a_low_priority_request_without_a_deadline_gets_the_long_low_priority_default():
+    settings = Settings(low_priority_deadline_ms=7000)
+    low = http.parse_deadline(request({"X-Priority": "low"}), settings)
+    normal = http.parse_deadline(request({}), settings)
+    assert low.budget_ms == 7000 and normal.budget_ms == settings.default_deadline_ms
+    assert http.parse_deadline(request({"X-Priority": "low", "X-Deadline-Ms": "500"}), settings).budget_ms == 500
+
+
+def test_a_low_priority_default_deadline_above_the_longest_deadline_is_refused():
+    with pytest.raises(ValueError, match="low_priority_deadline_ms"):
+        Settings(low_priority_deadline_ms=70_000)
+
+
+@pytest.mark.parametrize("raw", ["urgent", "1", "", "lowest"])
 def test_any_other_priority_is_422(raw):
     with pytest.raises(errors.InvalidParameter) as error:
         http.parse_priority(request({"X-Priority": raw}))

@@ -87,10 +87,10 @@ def test_gate_sheds_when_predicted_completion_exceeds_the_budget():
     with pytest.raises(Shed) as shed:
         gate.reserve(False, budget_s=0.5)
     assert shed.value.reason == "predicted_late" and gate.queued == 0
-    assert gate.predicted_s(high=False) == pytest.approx(1.2)  # 8 ahead + itself = 9, in whole batches of 4: 12 x 100 ms
+    assert gate.predicted_s("normal") == pytest.approx(1.2)  # 8 ahead + itself = 9, in whole batches of 4: 12 x 100 ms
     assert gate.completion_s(3) == pytest.approx(0.3)  # less than a batch in line: no rounding
     high = gate.reserve(True, budget_s=2.0)
-    assert gate.queued == 1 and gate.predicted_s(high=True) == pytest.approx(1.2)
+    assert gate.queued == 1 and gate.predicted_s("high") == pytest.approx(1.2)
     high.cancel()
     assert gate.queued == 0
 

@@ -1,0 +1,61 @@
+"""The planner's plan and overlay from fixed measurements: the overlay renders and validates (no server)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from rampart.config import Settings
+from rampart.plan.planner import plan, plot, write_overlay
+from tests.unit.test_deploy import validate
+
+MEASURED = {
+    "service_ms": 120.0,
+    "ramp": [{"clients": c, "throughput_rps": t, "goodput_rps": t, "primary_rps": p, "p50_ms": l / 2, "p99_ms": l,
+              "error_rate": 0.0} for c, t, p, l in ((1, 8, 8, 130), (4, 30, 30, 220), (16, 40, 35, 700), (64, 45, 36, 1400))],
+    "knee": {"clients": 16, "goodput_rps": 40.0, "p99_ms": 700},
+    "primary_capacity_rps": 36.0,
+    "overload": {"goodput_rps": 80.0, "fallback_inference_p99_ms": 61.0},
+    "cpu_ms_per_request": {"api": 8.0, "primary": 30.0, "fallback": 4.0, "total": 50.0},
+    "rss_bytes": 3_400_000_000,
+}
+
+
+def test_a_plan_from_known_measurements(tmp_path):
+    planned = plan(MEASURED, peak_rps=100, p99_ms=1000, deadline_ms=1000, degraded_share=0.0, settings=Settings())
+    assert planned["fleet"]["replicas"] == 4  # the primaries bind: 100 / (0.8 x 36) = 3.5
+    assert planned["settings"]["RAMPART_FALLBACK_RESERVE_MS"] == 130
+    # the primary's share of the deadline, 1000 - 130 - 20 = 850, less the 120 ms service time
+    assert planned["settings"]["RAMPART_PRIMARY_QUEUE_DELAY_MS"] == 730
+    assert planned["queue_places"]["primary"] == 26  # 36 img/s x 0.73 s
+    at_3x = planned["outcomes"]["3.0x"]  # 75 per replica: 36 by the primary, the other 39 within the 80 in all
+    assert (at_3x["primary"], at_3x["fallback"], at_3x["shed"]) == pytest.approx((0.48, 0.52, 0.0), abs=1e-3)
+    at_1_5x = planned["outcomes"]["1.5x"]  # 37.5 per replica: 36 + 1.5
+    assert (at_1_5x["primary"], at_1_5x["shed"]) == pytest.approx((0.96, 0.0), abs=1e-3)
+    plot(MEASURED, planned, 1000, tmp_path / "plan.png")
+    assert (tmp_path / "plan.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_overlay_renders_and_validates(tmp_path):
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl is not installed (make kubectl)")
+    planned = plan(MEASURED, peak_rps=100, p99_ms=1000, deadline_ms=1000, degraded_share=0.0, settings=Settings())
+    overlay = write_overlay(planned, tmp_path / "overlay")
+    out = subprocess.run(["kubectl", "kustomize", str(overlay)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    docs = [doc for doc in yaml.safe_load_all(out.stdout) if doc]
+    for doc in docs:
+        validate(doc)
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    (scaled,) = [d for d in docs if d["kind"] == "ScaledObject"]
+    assert deployment["spec"]["replicas"] == 4
+    env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["RAMPART_FALLBACK_RESERVE_MS"] == "130" and env["RAMPART_API_WORKERS"] == "1"
+    assert env["RAMPART_MAX_DEADLINE_MS"] == "60000"  # the base's settings stay
+    for name in env:  # every setting the plan writes is one Rampart reads
+        assert name.removeprefix("RAMPART_").lower() in Settings.model_fields, name
+    assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (2, 8)
+    assert scaled["spec"]["triggers"][0]["metadata"]["threshold"] == str(planned["fleet"]["queue_wait_threshold_s"])
