@@ -244,7 +244,9 @@ class Settings(BaseModel):
             raise ValueError(
                 f"default_deadline_ms={self.default_deadline_ms} exceeds max_deadline_ms={self.max_deadline_ms}"
             )
-        if self.low_priority_deadline_ms > self.max_deadline_ms:
+        # Only a low default set on purpose is refused; the built-in 10 s yields to a shorter
+        # max_deadline_ms (rampart.api.http.parse_deadline caps it), so such a server still starts.
+        if "low_priority_deadline_ms" in self.model_fields_set and self.low_priority_deadline_ms > self.max_deadline_ms:
             raise ValueError(f"low_priority_deadline_ms={self.low_priority_deadline_ms} exceeds "
                              f"max_deadline_ms={self.max_deadline_ms}")
         return self

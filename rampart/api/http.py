@@ -110,7 +110,10 @@ def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.
     raw = request.headers.get("x-deadline-ms")
     if raw is None:
         low = request.headers.get("x-priority", "").strip().lower() == "low"
-        default_ms = settings.low_priority_deadline_ms if low else settings.default_deadline_ms
+        # The low class's long default is capped like any deadline: a server with a short max_deadline_ms
+        # (a test's, an operator's) must still start with the default low deadline.
+        default_ms = min(settings.low_priority_deadline_ms, settings.max_deadline_ms) if low else \
+            settings.default_deadline_ms
         return Deadline.sliced(default_ms, arrival, settings, loop_lag_ms)
     try:
         budget = float(raw)

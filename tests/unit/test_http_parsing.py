@@ -155,6 +155,12 @@ def test_a_low_priority_default_deadline_above_the_longest_deadline_is_refused()
         Settings(low_priority_deadline_ms=70_000)
 
 
+def test_the_built_in_low_priority_default_yields_to_a_shorter_longest_deadline():
+    """A server whose max_deadline_ms is below the built-in low default starts, and caps low requests at it."""
+    settings = Settings(max_deadline_ms=6000)
+    assert http.parse_deadline(request({"X-Priority": "low"}), settings).budget_ms == 6000
+
+
 @pytest.mark.parametrize("raw", ["urgent", "1", "", "lowest"])
 def test_any_other_priority_is_422(raw):
     with pytest.raises(errors.InvalidParameter) as error:
