@@ -176,7 +176,10 @@ class Settings(BaseModel):
     # faster of PyTorch and its checked ONNX export, measured per image at each one's compute batch size when
     # the runner starts on a CPU-only host, and on PyTorch on a GPU host; "torch" or "onnx" forces one (ONNX
     # Runtime's CUDA provider on a GPU host). A stored primary without an export runs on PyTorch.
-    primary_engine: Literal["auto", "torch", "onnx"] = "auto"
+    # Default "torch" for now: with the faster ONNX primary (33 images/s here) the 2-core host's
+    # other core saturates at 5x overload and the primary answered only 0.40-0.48 of its capacity
+    # in time, against 0.70-0.81 on PyTorch (docs/engines.md). deploy/k8s sets "auto".
+    primary_engine: Literal["auto", "torch", "onnx"] = "torch"
     # Share of the GPU's memory the primary may allocate (torch.cuda.set_per_process_memory_fraction).
     gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
 

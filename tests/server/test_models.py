@@ -132,10 +132,12 @@ def test_import_users_own_models_into_a_separate_store(tmp_path):
     assert _primary_meta(env)["onnx_file"] == "model.onnx"  # your own primary is exported and checked too
 
 
-def test_the_primary_runs_on_the_engine_it_measured_faster_and_says_why(server):
-    """Default settings (``RAMPART_PRIMARY_ENGINE=auto``): on this CPU-only host both engines are timed under the
-    primary's pinning; ``/stats`` and the log name the choice and the ms per image of each."""
+def test_the_primary_runs_on_the_engine_it_measured_faster_and_says_why(start_server):
+    """``RAMPART_PRIMARY_ENGINE=auto`` (as deploy/k8s sets it): on this CPU-only host both engines are timed under
+    the primary's pinning; ``/stats`` and the log name the choice and the ms per image of each."""
     import httpx
+
+    server = start_server(RAMPART_PRIMARY_ENGINE="auto")
 
     from inference.engine_choice import warm_up_sizes
     from inference.engines import cuda_present

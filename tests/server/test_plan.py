@@ -23,7 +23,8 @@ def test_the_quick_plan_measures_the_server_and_writes_a_valid_overlay(server, t
     report = json.loads((out / "plan.json").read_text())
     measured = report["measured"]
     assert measured["primary_capacity_rps"] > 0 and measured["knee"]["goodput_rps"] > 0, measured
-    assert measured["cpu_ms_per_request"]["total"] > 0 and measured["rss_bytes"] > 2 ** 30, measured
+    # The whole tree (two models, the API worker, decoders): at least 256 MiB whichever engine the primary runs on.
+    assert measured["cpu_ms_per_request"]["total"] > 0 and measured["rss_bytes"] > 2 ** 28, measured
     assert report["fleet"]["replicas"] >= 2
     assert set(report["outcomes"]) == {"1.0x", "1.5x", "3.0x"}
     for outcome in report["outcomes"].values():
