@@ -48,14 +48,12 @@ from starlette.requests import Request
 from rampart.api import oip
 from rampart.api.app import (attach, classify_batch_endpoint, classify_endpoint, create_app, refuse_before_admission,
                              route_error_answered, state_of)
-from rampart.api.arrival import stamp_arrivals
-from rampart.api.connections import RequestGuard, install_guard, install_monitoring
-from rampart.api.monitoring import MonitoringLane
+from rampart.api.arrival import bound_inflight, stamp_arrivals
 from rampart.api.bentoml_api import (CLASSIFY_API_ROUTE, CLASSIFY_BATCH_API_ROUTE, CLASSIFY_BATCH_DOC, CLASSIFY_DOC,
                                     BatchAnswer, BatchUpload, ClassifyAnswer, ImageUpload, documented)
 from rampart.api.bentoml_fixes import (bound_endpoint_labels, cache_io_media_types, cancel_request_timers,
                                       keep_runner_sockets_until_stopped)
-from rampart.api.headlimit import limit_request_heads, serve_behind_front
+from rampart.api.headlimit import limit_request_heads
 from rampart.api.lifecycle import ENTRY_SERVICE_NAME, Lifecycle, all_entry_workers_ready, intercept_exit_signals
 from rampart.api.lifecycle import mark_worker_ready
 from rampart.api.lifecycle import logger as lifecycle_log
@@ -79,7 +77,6 @@ cancel_request_timers()  # BentoML 1.4.29 keeps every request alive for traffic.
 stamp_arrivals()  # deadlines count from each request's first byte: see rampart.api.arrival
 bound_endpoint_labels()  # BentoML labels its traffic metrics with the raw path: see the module
 limit_request_heads()  # uvicorn's httptools protocol accepts request heads of any size: see the module
-serve_behind_front()  # the in-flight and body bounds and client-gone handling, before every middleware
 keep_runner_sockets_until_stopped()  # BentoML's arbiter deletes the runners' sockets at SIGTERM, before the drain
 cache_io_media_types()  # BentoML rebuilds a JSON schema for every response's media type: see the module
 
@@ -130,17 +127,11 @@ def model_endpoint(tag: str, runner, max_items: int = 1,
     )
 
 
-#: Longest wait for a runner's counters (s): a hung runner must not hold ``GET /stats`` for its whole timeout.
-RUNNER_STATS_TIMEOUT_S = 5.0
-
-
 async def runner_stats(runner) -> dict | None:
-    """A runner's ``stats`` API (warm-up speed, TTL drops), or None while it cannot answer within
-    ``RUNNER_STATS_TIMEOUT_S``."""
+    """A runner's ``stats`` API (warm-up speed, TTL drops), or None while it cannot answer."""
     try:
         remote = getattr(runner, "to_async", None)
-        ask = remote.stats() if remote is not None else runner.stats()
-        return await asyncio.wait_for(ask, RUNNER_STATS_TIMEOUT_S)
+        return await remote.stats() if remote is not None else await runner.stats()
     except Exception as exc:
         logger.info("runner stats unavailable: %s", exc)
         return None
@@ -149,13 +140,9 @@ async def runner_stats(runner) -> dict | None:
 http_app = create_app(settings)
 
 
-#: Routes whose requests go through admission (``rampart.api.connections.RequestGuard``, tracing off by default).
+#: Routes whose requests go through admission (``rampart.api.arrival.bound_inflight``, tracing off by default).
 ADMITTED_ROUTES = ("/classify", "/classify_batch", f"/v2/models/{oip.MODEL_NAME}/infer", CLASSIFY_API_ROUTE,
                    CLASSIFY_BATCH_API_ROUTE)
-
-
-#: Monitoring routes answered in their own lane (``rampart.api.monitoring``): BentoML's /metrics and Rampart's /stats.
-MONITORING_ROUTES = ("/stats", "/metrics")
 
 
 def accept_backlog() -> int:
@@ -208,12 +195,7 @@ class Rampart:
             decode_pool(settings),
         )
         self.loop_lag = LoopLagMonitor()
-        refuse = refuse_before_admission(http_app)
-        install_guard(RequestGuard(
-            self.classifier.inflight_limit, refuse, ADMITTED_ROUTES, answer=refuse,
-            body_limit=(lambda: settings.max_receiving_bodies) if settings.max_receiving_bodies else None,
-            min_rate_bps=settings.min_body_rate_bps, grace_s=settings.body_rate_grace_ms / 1000))
-        install_monitoring(MonitoringLane(MONITORING_ROUTES, settings.monitoring_interval_ms / 1000))
+        bound_inflight(self.classifier.inflight_limit, refuse_before_admission(http_app), ADMITTED_ROUTES)
         metrics.init_api_series()
         self.lifecycle = Lifecycle()
         self.shadow = None if not settings.shadow_model else ShadowMirror(

@@ -91,21 +91,6 @@ class Settings(BaseModel):
     # Longest one decode may run before the upload is refused (422 decode_timeout).
     decode_timeout_ms: int = Field(3000, gt=0)
 
-    # Connections (docs/connections.md). A request's body must arrive at min_body_rate_bps on average, counted
-    # from its head, once body_rate_grace_ms have passed (else 408 request_timeout; 0 turns the rate rule off).
-    # At most max_receiving_bodies requests per API worker may still be receiving their body (0: half the
-    # in-flight bound, Classifier.inflight_limit); one more cuts the slowest of them (408), else is refused 429.
-    # A connection must send a complete request head within head_timeout_ms of opening (or of the first byte
-    # of its next request), and an idle keep-alive connection is closed after keep_alive_timeout_ms.
-    min_body_rate_bps: int = Field(1024, ge=0)
-    body_rate_grace_ms: int = Field(2000, gt=0)
-    max_receiving_bodies: int = Field(0, ge=0)
-    head_timeout_ms: int = Field(10_000, gt=0)
-    keep_alive_timeout_ms: int = Field(5_000, gt=0)
-    # GET /stats and /metrics (rampart.api.monitoring): each answer made at most once per this interval per API
-    # worker, shared by every request waiting for it.
-    monitoring_interval_ms: int = Field(500, ge=0)
-
     # Deadlines (X-Deadline-Ms), end to end.
     default_deadline_ms: int = Field(1000, gt=0)
     max_deadline_ms: int = Field(60_000, gt=0)
@@ -140,10 +125,8 @@ class Settings(BaseModel):
     fallback_concurrent_batches: int = Field(1, ge=1)
     # Batching before the runner boundary (rampart.coalesce): images bound for one bucket of one runner
     # that wait in an API worker go in one call when a call for that bucket returns, at most
-    # runner_calls_in_flight calls out per bucket. Off by default: it cut serving CPU by a fifth with a
-    # near-free model, but with the CPU primary it failed three overload and fault tests
-    # (docs/serving-cost.md); off is one call per image.
-    runner_coalescing: bool = False
+    # runner_calls_in_flight calls out per bucket (docs/serving-cost.md). Off: one call per image.
+    runner_coalescing: bool = True
     runner_calls_in_flight: int = Field(1, ge=1)
     primary_queue_delay_ms: int = Field(200, gt=0)
     fallback_queue_delay_ms: int = Field(200, gt=0)

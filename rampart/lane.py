@@ -26,7 +26,6 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from rampart.api.connections import enter_stage
 from rampart.telemetry import metrics
 from rampart.overload.admission import AdmissionGate, Shed, Ticket
 from rampart.overload.breaker import STATE_VALUES, CircuitBreaker
@@ -213,9 +212,7 @@ class ModelLane:
 
         async def admitted_call() -> RunnerAnswer:
             nonlocal dispatched, progress_at_dispatch
-            enter_stage("queue")  # for rampart_client_gone_total: waiting for its turn
             async with ticket.turn(lambda: deadline.remaining_s(self.share), bucket.name):
-                enter_stage("model")
                 dispatched, progress_at_dispatch = True, self.responses
                 call = asyncio.ensure_future(self.endpoint.call(bucket.name, pixels, deadline.epoch_s(self.share)))
                 call.add_done_callback(self._responded)
@@ -239,9 +236,6 @@ class ModelLane:
             return self._refused(shed)
         except asyncio.TimeoutError:
             return timed_out()
-        except asyncio.CancelledError:  # the client went away (rampart.api.connections): no outcome to record
-            self._record(None)
-            raise
         except Exception as exc:  # any runner failure degrades; it never becomes a 5xx
             self._record(False, "error")
             logger.warning("%s failed: %s: %s", self.endpoint.name, type(exc).__name__, exc)

@@ -210,7 +210,7 @@ class Classifier:
         return min(lane.gate.retry_after_s() for lane in self.lanes_for(priority))
 
     def inflight_limit(self) -> int:
-        """Most ``/classify`` requests one API worker lets in at once (``rampart.api.connections.RequestGuard``).
+        """Most ``/classify`` requests one API worker lets in at once (``rampart.api.arrival.bound_inflight``).
 
         Twice the places the routing's gates have (dispatch window + queue limit of each):
         up to one request per place holds it, and as many again may be reading

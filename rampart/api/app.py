@@ -39,9 +39,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, RedirectResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp
 
 from rampart.api import http, oip
-from rampart.api.connections import current_guard
 from rampart.api.lifecycle import Lifecycle
 from rampart.config import Settings
 from rampart.cores import usable_cores
@@ -309,8 +309,7 @@ def api_worker(settings: Settings) -> dict:
 
 
 async def stats(request: Request, state: AppState) -> Response:
-    """``GET /stats``: admission queues, measured throughput, breaker state, runner counters, the front door's
-    counts (``connections``: ``RequestGuard.state``, None in-process).
+    """``GET /stats``: admission queues, measured throughput, breaker state, runner counters.
 
     One API worker's view (``api_worker``): its gates, breaker, cache, decoders and
     requests in flight; the runners' counters are the runners' own, shared by all
@@ -322,8 +321,6 @@ async def stats(request: Request, state: AppState) -> Response:
     for role in ("primary", "fallback"):
         body[role]["runner"] = await state.runner_stats(role)
     body["shadow"] = None if state.shadow is None else state.shadow.state()
-    guard = current_guard()
-    body["connections"] = None if guard is None else guard.state()  # the front door (rampart.api.connections)
     return JSONResponse(body)
 
 
@@ -350,27 +347,20 @@ def finished(request: Request, request_id: str, priority: str, started: float, s
                 result, **extra)
 
 
-def refuse_before_admission(app: Starlette) -> Callable[..., Awaitable[None]]:
-    """The ASGI app answering in front of every middleware (``rampart.api.connections``), with ``app``'s state:
-    ``refuse(scope, receive, send)`` is the 429 ``overloaded`` for a request over the in-flight bound, with the
-    classifier's ``Retry-After``; ``refuse(scope, receive, send, error)`` answers a request the front door cut
-    (``error``: 408 body too slow, 429 no body place, 499 client gone), with ``Connection: close`` since its
-    body may be unread. Each answer is counted and logged (``failed``)."""
+def refuse_before_admission(app: Starlette) -> ASGIApp:
+    """The ASGI app answering 429 ``overloaded`` to a request over the in-flight bound (``rampart.api.arrival``),
+    before any middleware, with ``app``'s classifier's ``Retry-After``."""
     state = state_of(app)
 
-    async def refuse(scope, receive, send, error: RampartError | None = None) -> None:
+    async def refuse(scope, receive, send) -> None:
         request = Request(scope, receive)
-        close = error is not None
-        if error is None:
-            error = Overloaded("too many requests in flight; retry later", state.classifier.retry_after_s())
-        if isinstance(error, Overloaded) and state.shadow is not None:
+        error = Overloaded("too many requests in flight; retry later", state.classifier.retry_after_s())
+        if state.shadow is not None:
             state.shadow.note_overload()  # mirrors pause while real traffic is shed
         request_id = http.request_id_of(request)
         response = failed(request, request_id, False, time.perf_counter(), error)
         if oip.is_oip_path(scope["path"]):  # the protocol's error form under /v2
             response = oip.error_response(error, request_id)
-        if close:
-            response.headers["Connection"] = "close"
         await response(scope, receive, send)
 
     return refuse

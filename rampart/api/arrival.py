@@ -24,14 +24,17 @@ Without either (an ASGI server other than uvicorn+httptools, an in-process
 call) the handler's start is used.
 
 **What may wait before admission sees it.** Admission runs at the start of the
-handler, behind BentoML's middlewares. In front of everything (the app uvicorn calls),
-``rampart.api.connections.RequestGuard`` bounds the requests in flight in this worker
-and answers the next one at once (Rampart: 429 ``overloaded`` with ``Retry-After``),
-before any middleware runs; ``InflightBound`` is that guard, under its older name. With
-HTTP/1.1 keep-alive each connection has at most one request in flight (uvicorn stops
-reading a connection while a pipelined request waits), so a request can wait unseen only
-in the kernel's accept queue (``backlog``, sized in ``service.py``) or its socket buffer,
-and that time too is counted against its deadline once its first byte is read.
+handler, behind BentoML's middlewares. ``bound_inflight(limit, refuse, paths)``
+puts a counter in front of everything (the app uvicorn calls): when ``limit()``
+requests to ``paths`` are already in flight in this worker, the next one is
+answered by ``refuse`` at once (Rampart: 429 ``overloaded`` with
+``Retry-After``), before any middleware runs. Rampart derives ``limit`` from its
+admission queues (``Classifier.inflight_limit``). With HTTP/1.1 keep-alive each
+connection has at most one request in flight (uvicorn stops reading a
+connection while a pipelined request waits), so a request can wait unseen only
+in the kernel's accept queue (``backlog``, sized in ``service.py``) or its
+socket buffer, and that time too is counted against its deadline once its first
+byte is read.
 """
 
 from __future__ import annotations
@@ -39,11 +42,10 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass
-
-from rampart.api.connections import RequestGuard
+from typing import Awaitable, Callable, Collection
 
 __all__ = ["ARRIVAL_KEY", "FUTURE_SKEW_MS", "Arrival", "arrival_of", "parse_request_start", "stamp_arrivals",
-           "InflightBound"]
+           "bound_inflight", "InflightBound"]
 
 #: ASGI scope key holding the ``time.monotonic()`` of the request's first byte.
 ARRIVAL_KEY = "rampart.first_byte_monotonic"
@@ -121,10 +123,67 @@ def stamp_arrivals() -> None:
         arrived = time.monotonic()
         begin(self)
         self.scope[ARRIVAL_KEY] = arrived
+        if _bound is not None and getattr(self.app, "_rampart_bound", None) is not _bound:
+            self.app = _bound.wrap(self.app)
 
     on_message_begin._rampart_stamped = True
     HttpToolsProtocol.on_message_begin = on_message_begin
 
 
-#: The in-flight bound, now part of the front door's guard (``rampart.api.connections``).
-InflightBound = RequestGuard
+class InflightBound:
+    """At most ``limit()`` requests to ``paths`` in flight in this worker; the next gets ``refuse(scope, receive, send)``.
+
+    Sits in front of every middleware (see ``bound_inflight``). ``inflight`` is the
+    number of such requests being handled now; ``refused`` counts refusals.
+    """
+
+    def __init__(self, limit: Callable[[], int], refuse: Callable[[dict, Callable, Callable], Awaitable[None]],
+                 paths: Collection[str]) -> None:
+        self.limit = limit
+        self.refuse = refuse
+        self.paths = frozenset(paths)
+        self.inflight = 0
+        self.refused = 0
+        self._wrapped: dict[int, Callable] = {}
+
+    def wrap(self, app: Callable) -> Callable:
+        """``app`` (an ASGI app) behind this bound; one wrapper per app."""
+        wrapped = self._wrapped.get(id(app))
+        if wrapped is None:
+            async def bounded(scope, receive, send) -> None:
+                if scope.get("type") != "http" or scope.get("path") not in self.paths:
+                    return await app(scope, receive, send)
+                # X-Priority: high gets twice the bound: its place comes from evicting a normal
+                # request at admission (rampart.overload.admission), which needs it to get that far.
+                limit = self.limit() * (2 if _is_high_priority(scope) else 1)
+                if self.inflight >= limit:
+                    self.refused += 1
+                    return await self.refuse(scope, receive, send)
+                self.inflight += 1
+                try:
+                    await app(scope, receive, send)
+                finally:
+                    self.inflight -= 1
+
+            bounded._rampart_bound = self
+            wrapped = self._wrapped[id(app)] = bounded
+        return wrapped
+
+
+def _is_high_priority(scope: dict) -> bool:
+    """Whether the request's ``X-Priority`` header says ``high`` (any case), read from the raw ASGI headers."""
+    for name, value in scope.get("headers") or ():
+        if name.lower() == b"x-priority":
+            return value.strip().lower() == b"high"
+    return False
+
+
+_bound: InflightBound | None = None
+
+
+def bound_inflight(limit: Callable[[], int], refuse: Callable[[dict, Callable, Callable], Awaitable[None]],
+                   paths: Collection[str]) -> InflightBound:
+    """Install (or replace) the in-flight bound that ``stamp_arrivals`` puts in front of the app; returns it."""
+    global _bound
+    _bound = InflightBound(limit, refuse, paths)
+    return _bound

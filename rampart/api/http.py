@@ -322,13 +322,10 @@ class MultipartParts:
 
 
 def error_response(error: RampartError, request_id: str) -> JSONResponse:
-    """The JSON error response for ``error``, with ``Retry-After`` on 429 and 503, ``Allow`` on 405 and
-    ``Connection: close`` on 408."""
+    """The JSON error response for ``error``, with ``Retry-After`` on 429 and 503 and ``Allow`` on 405."""
     headers = {"X-Request-Id": request_id}
     if isinstance(error, (Overloaded, Unavailable)):
         headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
     if isinstance(error, MethodNotAllowed) and error.allowed:
         headers["Allow"] = ", ".join(error.allowed)
-    if isinstance(error, BodyTimeout):
-        headers["Connection"] = "close"  # the rest of the body is not read: the connection cannot carry another request
     return JSONResponse(error.to_body(request_id), status_code=error.status, headers=headers)

@@ -26,10 +26,6 @@ raises ``JobTimeout``. What happens to the overrunning job depends on the mode:
   killed, so a timed-out job keeps its slot until it really ends; the bound on
   memory still holds.
 
-When the caller goes away (its task is cancelled: the client hung up, ``rampart.api.connections``),
-a job still waiting leaves the queue at once; a running one may finish (its result is
-dropped), since killing a worker would cost a new one, but not past its ``run_limit_s``.
-
 Each worker (thread or process) runs at niceness ``nice``, so the event loop,
 which answers and sheds, stays ahead of decoding for the CPU.
 """
@@ -383,7 +379,7 @@ class BoundedPool:
                 await asyncio.wait([start_wait, result], timeout=budget_s, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 start_wait.cancel()
-            if not started.is_set() and self._withdraw(future):
+            if not started.is_set() and future.cancel():
                 raise Overloaded(
                     f"no decoder became free within the request's deadline ({budget_s * 1000:.0f} ms)",
                     self.retry_after_s,
@@ -393,32 +389,13 @@ class BoundedPool:
             done, _ = await asyncio.wait([result], timeout=max(min(run_limit_s, left_s), 0.0))
             if done:
                 return result.result()
-        except asyncio.CancelledError:  # the request went away: free its place in the queue, or its worker
-            if not self._withdraw(future):
-                # Running: a decode takes milliseconds, and killing the worker would cost a new one (hundreds),
-                # so it may finish (its result is dropped), but not past its own run limit.
-                limit_s = run_limit_s if run_limit_s is not None and run_limit_s != float("inf") else 0.0
-                left_s = limit_s - (time.monotonic() - started_at[0]) if started_at else 0.0
-                if left_s > 0:
-                    loop.call_later(left_s, self._abandon, future)
-                else:
-                    self._abandon(future)
+        except asyncio.CancelledError:  # the request went away: free its worker too
+            if not future.cancel():
+                self._abandon(future)
             raise
         self._abandon(future)
         ran_s = time.monotonic() - (started_at[0] if started_at else submitted)
         raise JobTimeout(ran_s, by_run_limit=run_limit_s <= left_s)
-
-    def _withdraw(self, future: Future) -> bool:
-        """Take ``future``'s job out of the queue if no worker has started it (its place is free at once); True if so."""
-        with self._cond:
-            for i, entry in enumerate(self._heap):
-                if entry[3] is future and future.cancel():
-                    self._heap[i] = self._heap[-1]
-                    self._heap.pop()
-                    heapq.heapify(self._heap)
-                    self._pending -= 1
-                    return True
-        return False
 
     def _abandon(self, future: Future) -> None:
         """Kill the process running ``future``'s job, if it still runs one (process mode only)."""

@@ -29,8 +29,7 @@ __all__ = [
     "QUEUE_DEPTH", "INFLIGHT_BATCHES", "ADMITTED", "REJECTED", "RESPONSES", "TTL_DROPPED", "FALLBACK", "DEGRADED",
     "BREAKER_STATE", "STAGE_SECONDS", "BATCH_SIZE", "INPUT_MEGAPIXELS", "TOP1_CONFIDENCE", "TOP1_CLASS",
     "GPU_MEMORY_USED", "GPU_MEMORY_TOTAL", "PROCESS_RSS", "LOOP_LAG", "update_process_rss", "init_api_series",
-    "init_runner_series", "INPUT_WARNINGS", "CLIENT_GONE", "CLIENT_GONE_STAGES",
-    "CONNECTIONS_CLOSED",
+    "init_runner_series", "INPUT_WARNINGS",
 ]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0)
@@ -90,17 +89,6 @@ GPU_MEMORY_TOTAL = Gauge("rampart_gpu_memory_total_bytes", "Total memory of the 
                          ["device"], multiprocess_mode="livemax")
 PROCESS_RSS = Gauge("rampart_process_resident_memory_bytes", "Resident memory of each Rampart process.",
                     ["role"], multiprocess_mode="liveall")
-CLIENT_GONE = Counter(
-    "rampart_client_gone_total",
-    "Requests whose client closed the connection before the answer, by where they were: body, decode, queue, "
-    "model (only 'model' had reached a model).",
-    ["stage"],
-)
-CONNECTIONS_CLOSED = Counter(
-    "rampart_connections_closed_total",
-    "Connections the server closed for time: head_timeout (no complete request head in time), idle (keep-alive).",
-    ["reason"],
-)
 LOOP_LAG = Gauge("rampart_event_loop_lag_seconds", "Largest event-loop lag of the API layer in the last 2 s.",
                  multiprocess_mode="livemax")
 
@@ -110,8 +98,6 @@ MODELS = ("primary", "fallback")
 REJECT_REASONS = ("queue_full", "predicted_late", "evicted", "higher_priority_waiting", "circuit_open", "timeout")
 FALLBACK_REASONS = ("primary_overloaded", "primary_circuit_open", "primary_timeout", "primary_error")
 DEGRADED_REASONS = FALLBACK_REASONS + ("cached_result", "no_model_available", "deadline_exceeded")
-#: Where a request can be when its client goes (``rampart.api.connections.STAGES``).
-CLIENT_GONE_STAGES = ("body", "decode", "queue", "model")
 
 
 # Priority classes (X-Priority; rampart.overload.admission.PRIORITIES) and what became of their requests.
@@ -138,10 +124,6 @@ def init_api_series() -> None:
         DEGRADED.labels(reason)
     for warning in recovery.INPUT_WARNINGS:
         INPUT_WARNINGS.labels(warning)
-    for stage in CLIENT_GONE_STAGES:
-        CLIENT_GONE.labels(stage)
-    for reason in ("head_timeout", "idle"):
-        CONNECTIONS_CLOSED.labels(reason)
     BREAKER_STATE.labels("primary").set(0)
     for priority in PRIORITIES:
         for outcome in PRIORITY_OUTCOMES:
