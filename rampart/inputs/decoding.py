@@ -233,7 +233,8 @@ def _decode(data: bytes, fmt: str, limits: DecodeLimits, shrink: ShrinkRule) -> 
     try:
         if fmt == "JPEG":  # the orientation is in the header: known before the (reduced) decode
             orientation = _orientation(image)
-            factor = _factor(shrink, declared, orientation)
+            upright = _upright_size(declared, orientation)
+            factor = max(float(shrink(*upright)), 1.0)
             scale = _draft_scale(factor)
             if scale > 1:  # Pillow picks the largest DCT scale keeping each side ≥ the size asked for
                 image.draft(None, (declared[0] // scale, declared[1] // scale))
@@ -241,8 +242,8 @@ def _decode(data: bytes, fmt: str, limits: DecodeLimits, shrink: ShrinkRule) -> 
         else:  # a PNG's eXIf chunk may follow its pixels: Pillow reads it only once they are decoded
             image.load()
             orientation = _orientation(image)
-            factor = _factor(shrink, declared, orientation)
-        upright = declared[::-1] if orientation in _SWAPPING_ORIENTATIONS else declared
+            upright = _upright_size(declared, orientation)
+            factor = max(float(shrink(*upright)), 1.0)
         rgb = shrink_to_rgb(image, int(factor * image.size[0] / declared[0]), limits.alpha_background)
         for transpose in _ORIENTATION_FIX.get(orientation, ()):
             rgb = rgb.transpose(transpose)
@@ -251,13 +252,12 @@ def _decode(data: bytes, fmt: str, limits: DecodeLimits, shrink: ShrinkRule) -> 
     except Exception as exc:  # every decoder failure is the input's fault: 4xx, never 5xx
         raise CorruptImage(f"the {fmt} data is truncated or corrupt: {type(exc).__name__}: {exc}") from exc
     return DecodedImage(image=rgb, format=fmt, declared_size=declared, warnings=frame_warnings,
-                        upright_size=tuple(upright))
+                        upright_size=upright)
 
 
-def _factor(shrink: ShrinkRule, declared: tuple[int, int], orientation: int) -> float:
-    """``shrink``'s factor (at least 1) for a frame of ``declared`` size stored in EXIF ``orientation``."""
-    width, height = declared
-    return max(float(shrink(height, width) if orientation in _SWAPPING_ORIENTATIONS else shrink(width, height)), 1.0)
+def _upright_size(declared: tuple[int, int], orientation: int) -> tuple[int, int]:
+    """(width, height) of a frame of ``declared`` size once EXIF ``orientation`` is applied."""
+    return (declared[1], declared[0]) if orientation in _SWAPPING_ORIENTATIONS else declared
 
 
 def _draft_scale(factor: float) -> int:
