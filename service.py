@@ -226,9 +226,9 @@ class Rampart:
         return await classify_batch_endpoint(http_app)(images)
 
     def seconds_per_image(self, role: str) -> float | None:
-        """The ``primary`` or ``fallback`` model's measured time per image (its admission gate's meter), s."""
-        ms = getattr(self.classifier, role).gate.meter.ms_per_image
-        return None if not ms else ms / 1000.0
+        """The ``primary`` or ``fallback`` model's measured compute per image for this worker, s
+        (``AdmissionGate.compute_s_per_image``); None before any measurement."""
+        return getattr(self.classifier, role).gate.compute_s_per_image or None
 
     def loop_lag_ms(self) -> float:
         """The event loop's recent lag (ms), kept back from each new deadline; starts the monitor."""

@@ -19,6 +19,7 @@ Every refusal comes back as an ``Attempt`` with a ``degraded_reason``
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from dataclasses import dataclass
@@ -216,6 +217,7 @@ class ModelLane:
                 dispatched, progress_at_dispatch = True, self.responses
                 call = asyncio.ensure_future(self.endpoint.call(bucket.name, pixels, deadline.epoch_s(self.share)))
                 call.add_done_callback(self._responded)
+                call.add_done_callback(functools.partial(self._observe, time.monotonic(), self.gate.dispatched))
                 # Shielded: when this request stops waiting, the runner call still finishes
                 # (the runner has the item either way), so its answer counts as progress.
                 return await asyncio.shield(call)
@@ -252,6 +254,14 @@ class ModelLane:
             self.responses += 1
             self.last_response = time.monotonic()
             self._ms_per_image_at_response = self.gate.meter.ms_per_image
+
+    def _observe(self, dispatched_at: float, images_in_line: int, call: asyncio.Future) -> None:
+        """Give the gate's ``ServiceTime`` a runner answer (in time or late; not a TTL drop or an error)."""
+        if call.cancelled() or call.exception() is not None:
+            return
+        answer = call.result()
+        if not answer.expired:
+            self.gate.observe(time.monotonic() - dispatched_at, images_in_line, answer.inference_ms, answer.batch_size)
 
     def stall_after_s(self) -> float:
         """Seconds of runner silence after which a timeout counts as a failure: ``STALL_BATCHES`` full
@@ -291,6 +301,8 @@ class ModelLane:
             "queued_by_priority": gate.queued_by_priority(),
             "queue_limit": gate.queue_limit,
             "throughput_ips": None if gate.meter.ips is None else round(gate.meter.ips, 2),
+            "compute_ms_per_image": None if gate.service.compute_s is None else round(gate.service.compute_s * 1000, 2),
+            "overhead_ms": round(gate.service.overhead_s * 1000, 2),
             "drain_s": round(gate.drain_s(), 3),
             "retry_after_cap_s": gate.retry_after_cap_s,
             "breaker": None if self.breaker is None else self.breaker.state,

@@ -79,7 +79,7 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
 
 __all__ = ["DECODING", "ADMISSION_MODES", "PRIORITIES", "priority_rank", "priority_name", "Shed", "ThroughputMeter",
-           "Ticket", "AdmissionGate"]
+           "ServiceTime", "Ticket", "AdmissionGate"]
 
 #: Pseudo-bucket of queued requests whose image is still being decoded.
 DECODING = "decoding"
@@ -216,6 +216,60 @@ class ThroughputMeter:
         return None if ips is None else 1000.0 / ips
 
 
+class ServiceTime:
+    """How long the runner takes for the images in line, from its own answers: ``overhead_s + images × compute_s``.
+
+    ``ThroughputMeter`` divides images answered by time with anything dispatched, so it
+    also counts the time an image spends travelling (the coalescer's wait for the call
+    before it, pickling, the HTTP round trip, an API event loop busy shedding). Under
+    overload on a shared CPU that time grows, the meter falls, the gate dispatches less,
+    the runner waits for work between calls and the meter falls further: on the 2-core
+    host at 5x overload it fell from 19 to 7 img/s while the primary's core sat idle a
+    third of the time, and the primary answered 0.4 of its own capacity
+    (docs/overload.md, "Predicting completion"). That time does not grow with the
+    images in line, so it is measured apart:
+
+    - ``compute_s``: the runner's own inference time per image (``inference_ms /
+      batch_size`` of the batch that answered, divided by its ``concurrent_batches``),
+      over ``share``, this API worker's part of the runner (``1 / api_workers``);
+    - ``overhead_s``: what a call took beyond the compute of the images in line when it
+      was dispatched (itself included), at least 0.
+
+    Both are exponentially weighted over answers (``ALPHA`` each). Units: seconds.
+    ``ready`` once an answer was observed; before that the gate predicts with its meter.
+    """
+
+    #: Weight of each new answer in both averages (about the last 20 answers count).
+    ALPHA = 0.05
+
+    def __init__(self, share: float = 1.0, concurrent_batches: int = 1) -> None:
+        if not 0.0 < share <= 1.0:
+            raise ValueError(f"share must be in (0, 1], got {share}")
+        self.share = share
+        self.concurrent_batches = max(1, concurrent_batches)
+        self.compute_s: float | None = None
+        self.overhead_s = 0.0
+
+    @property
+    def ready(self) -> bool:
+        """Whether an answer was observed (``compute_s`` is known)."""
+        return self.compute_s is not None
+
+    def observe(self, latency_s: float, images_in_line: int, inference_ms: float, batch_size: int) -> None:
+        """One answer: ``latency_s`` from dispatch to answer, ``images_in_line`` dispatched by this gate when it
+        was dispatched (itself included), and the runner's ``inference_ms`` for its batch of ``batch_size``."""
+        if batch_size < 1 or inference_ms <= 0:
+            return
+        per_image = inference_ms / 1000.0 / batch_size / self.concurrent_batches / self.share
+        self.compute_s = per_image if self.compute_s is None else self.compute_s + self.ALPHA * (per_image - self.compute_s)
+        residual = max(0.0, latency_s - max(images_in_line, 1) * self.compute_s)
+        self.overhead_s += (residual - self.overhead_s) if self.overhead_s == 0.0 else self.ALPHA * (residual - self.overhead_s)
+
+    def completion_s(self, images: int) -> float:
+        """Predicted seconds until the last of ``images`` in line is answered (0 before any answer)."""
+        return 0.0 if self.compute_s is None else self.overhead_s + images * self.compute_s
+
+
 class Ticket:
     """A place in an ``AdmissionGate``, taken once the request's body is in (before it is decoded).
 
@@ -306,7 +360,8 @@ class AdmissionGate:
     """
 
     def __init__(self, name: str, max_batch_size: int, concurrent_batches: int, queue_delay_ms: float,
-                 meter: ThroughputMeter, workers: int = 1, mode: str = "full") -> None:
+                 meter: ThroughputMeter, workers: int = 1, mode: str = "full",
+                 service: ServiceTime | None = None) -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         if mode not in ADMISSION_MODES:
@@ -321,6 +376,9 @@ class AdmissionGate:
         self.window = max(1, (concurrent_batches + 1) * max_batch_size // workers)
         self.queue_delay_ms = queue_delay_ms
         self.meter = meter
+        #: The runner's measured compute and overhead, which predict completion once observed (unless the
+        #: throughput is fixed by configuration); ``observe`` feeds it.
+        self.service = service if service is not None else ServiceTime(1 / workers, concurrent_batches)
         self.dispatched = 0
         self.queued = 0  # tickets reserved or waiting, not dispatched yet
         self.queued_by_rank = [0, 0, 0]  # the same, by class (0 high, 1 normal, 2 low)
@@ -380,17 +438,32 @@ class AdmissionGate:
     def completion_s(self, images: int) -> float:
         """Predicted seconds until the last of ``images`` (the request itself and those ahead) is answered.
 
-        ``images`` × the measured time per image; when at least a full batch is in
-        line, rounded up to whole batches, because a batch is answered only when all
-        of it is done (this worker's images and time per image, so its ``batch_share``).
-        0 before anything was measured.
+        When at least a full batch is in line, ``images`` is rounded up to whole
+        batches, because a batch is answered only when all of it is done (this
+        worker's images and time per image, so its ``batch_share``). Then, once the
+        runner has answered, ``ServiceTime.completion_s`` (overhead plus images × the
+        runner's compute per image); before that, or with the throughput fixed by
+        configuration, images × the meter's time per image. 0 before anything was measured.
         """
-        ms = self.meter.ms_per_image
-        if ms is None:
-            return 0.0
         if images > self.batch_share:
             images = math.ceil(images / self.batch_share) * self.batch_share
-        return images * ms / 1000.0
+        if self.service.ready and self.meter.override_ips <= 0:
+            return self.service.completion_s(images)
+        ms = self.meter.ms_per_image
+        return 0.0 if ms is None else images * ms / 1000.0
+
+    def observe(self, latency_s: float, images_in_line: int, inference_ms: float, batch_size: int) -> None:
+        """A runner answer for a dispatched image (in time or late): feeds ``service`` (``ServiceTime.observe``)."""
+        self.service.observe(latency_s, images_in_line, inference_ms, batch_size)
+
+    @property
+    def compute_s_per_image(self) -> float | None:
+        """The runner's compute per image for this worker (``ServiceTime.compute_s``), else the meter's time per
+        image (s); None before either was measured."""
+        if self.service.ready and self.meter.override_ips <= 0:
+            return self.service.compute_s
+        ms = self.meter.ms_per_image
+        return None if ms is None else ms / 1000.0
 
     def refusal(self, priority: str | bool, budget_s: float) -> Shed | None:
         """Why a request of class ``priority`` with ``budget_s`` seconds left would be shed now, or None when

@@ -121,6 +121,8 @@ def test_a_busy_model_whose_answers_come_late_never_opens_the_breaker():
     assert reasons.count("primary_timeout") >= 8 and None in reasons, reasons
     assert lane.breaker.state == CLOSED and lane.breaker.times_opened == 0
     assert lane.responses == 12  # every call came back in the end: answers and TTL drops
+    # Late answers feed the runner's measured compute too (100 ms a batch of 1, 3 batches at once); TTL drops do not.
+    assert lane.gate.service.compute_s == pytest.approx(0.1 / 3)
 
 
 def test_a_hung_model_still_opens_the_breaker():

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from rampart.overload.admission import AdmissionGate, Shed, ThroughputMeter
+from rampart.overload.admission import AdmissionGate, ServiceTime, Shed, ThroughputMeter
 from rampart.overload.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 from rampart.cache import CachedAnswer, ResultCache, content_key
 from rampart.errors import Overloaded
@@ -266,3 +266,48 @@ def test_bentoml_timeout_middleware_no_longer_keeps_finished_requests_alive():
         return sum(1 for handle in loop._scheduled if not handle.cancelled())  # asyncio's timer heap
 
     assert asyncio.run(scenario()) == 0  # unpatched BentoML 1.4.29: 100 timers pending for 70 s
+
+
+def test_service_time_separates_the_runners_compute_from_the_fixed_travel_time():
+    service = ServiceTime()
+    assert not service.ready and service.completion_s(5) == 0.0
+    for in_line in (1, 3, 6, 2, 8) * 20:  # a runner at 50 ms an image, 120 ms of travel whatever the line
+        service.observe(latency_s=0.12 + in_line * 0.05, images_in_line=in_line, inference_ms=100.0, batch_size=2)
+    assert service.compute_s == pytest.approx(0.05)
+    assert service.overhead_s == pytest.approx(0.12, abs=0.005)
+    assert service.completion_s(4) == pytest.approx(0.32, abs=0.005)
+    # Each of two API workers owns half of the runner, so its own images in line take twice the time.
+    half = ServiceTime(share=0.5)
+    half.observe(latency_s=0.3, images_in_line=2, inference_ms=50.0, batch_size=1)
+    assert half.compute_s == pytest.approx(0.1) and half.overhead_s == pytest.approx(0.1)
+    # Two batches computing at once on one device: an image costs half its batch's time.
+    assert ServiceTime(concurrent_batches=2).completion_s(1) == 0.0
+    both = ServiceTime(concurrent_batches=2)
+    both.observe(latency_s=0.05, images_in_line=1, inference_ms=40.0, batch_size=1)
+    assert both.compute_s == pytest.approx(0.02)
+    with pytest.raises(ValueError):
+        ServiceTime(share=0)
+
+
+def test_gate_predicts_from_the_runners_compute_not_the_meter_once_answers_came():
+    """The busy-time meter counts travel time as if it were the model's: under overload it fell from 19 to 7 img/s
+    while the model idled, and the gate then refused what the model could have answered (ServiceTime's doc)."""
+    now = [0.0]
+    meter = ThroughputMeter(tau_s=5.0, clock=lambda: now[0])
+    meter.seed(50.0)
+    gate = AdmissionGate("m", max_batch_size=16, concurrent_batches=1, queue_delay_ms=200, meter=meter)
+    meter.busy(True)
+    for _ in range(100):  # 4 images dispatched, each answered 400 ms later: 10 img/s on the meter
+        now[0] += 0.1
+        meter.completed(1)
+        gate.observe(latency_s=0.4, images_in_line=4, inference_ms=50.0, batch_size=1)
+    assert meter.ms_per_image == pytest.approx(100.0, rel=0.05)
+    assert gate.compute_s_per_image == pytest.approx(0.05)
+    gate.dispatched = 7  # 7 ahead + itself: 0.2 s of travel + 8 x 50 ms, within a 0.7 s budget
+    assert gate.predicted_s("normal") == pytest.approx(0.6, abs=0.01)
+    gate.reserve("normal", budget_s=0.7).cancel()
+    # A throughput fixed by configuration is what the operator asked for: the meter predicts.
+    fixed = AdmissionGate("f", max_batch_size=16, concurrent_batches=1, queue_delay_ms=200,
+                          meter=ThroughputMeter(override_ips=10))
+    fixed.observe(latency_s=0.4, images_in_line=4, inference_ms=50.0, batch_size=1)
+    assert fixed.completion_s(3) == pytest.approx(0.3) and fixed.compute_s_per_image == pytest.approx(0.1)
