@@ -35,7 +35,7 @@ DEADLINE_MS = 10_000.0
 def ab_runs(out: Path, setting: str, arms: list[str], rounds: int, body_name: str, connections: int,
             round_s: float, warm_s: float, api_workers: int, extra_env: dict[str, str] | None = None) -> dict:
     """Every round of every arm (module doc) and the per-arm medians; see ``main`` for the arguments."""
-    from bench.load_bench import Service, private_bentoml_home
+    from bench.harness import Service, private_bentoml_home
 
     directory = out / "near-free"
     onnx_path = near_free_onnx(directory / "near_free.onnx")

@@ -2,7 +2,7 @@
 
 ``python -m bench.ablation [--out bench_results] [--arms abcde] [--capacity RPS] [--merge] [--quick]``
 (also ``python -m bench.load_bench --ablation-only``) writes ``ablation.json`` and
-``ablation.png``. Every arm is a fresh Rampart (``bench.load_bench.Service``) with the
+``ablation.png``. Every arm is a fresh Rampart (``bench.harness.Service``) with the
 settings of ``ARMS``, warmed up by a short closed loop, then given the same open-loop
 Poisson run (``bench.loadgen.open_loop``, same seed, same six photos of
 ``bench.loadgen.load_bodies``) at ``FACTOR`` × capacity for ``duration_s`` seconds, every
@@ -20,7 +20,7 @@ request with ``X-Deadline-Ms: 1000``:
 The switches (``RAMPART_ROUTING=primary-only``, ``RAMPART_ADMISSION``,
 ``RAMPART_HONOUR_DEADLINES``) are for experiments, not for production (docs/configuration.md).
 
-*Capacity* is the knee of a closed-loop ramp (``bench.load_bench.ramp``: the highest
+*Capacity* is the knee of a closed-loop ramp (``bench.ramp.ramp``: the highest
 throughput with P99 ≤ 1 s and ≤ 1% refused) of a default Rampart, measured first in the
 same run, unless ``--capacity`` gives it (to split the arms across runs, with ``--merge``).
 
@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -45,7 +43,9 @@ from pathlib import Path
 
 import httpx
 
+from bench.harness import Service, machine
 from bench.loadgen import Sample, closed_loop, load_bodies, open_loop, run_sync, summarize
+from bench.ramp import ramp
 
 __all__ = ["Arm", "ARMS", "FACTOR", "DEADLINE_MS", "CLIENT_PATIENCE_S", "outcome_summary", "run_arm",
            "measure_capacity", "main"]
@@ -115,13 +115,10 @@ def outcome_summary(samples: list[Sample], duration_s: float, deadline_ms: float
     }
 
 
-def _stop_now(service) -> None:
+def _stop_now(service: Service) -> None:
     """Kill an arm's server at once (SIGKILL to its process group): what it still holds is abandoned, and
     a drain of an unbounded queue would take up to ``max_deadline_ms``."""
-    if service.process.poll() is None:
-        os.killpg(service.process.pid, signal.SIGKILL)
-        service.process.wait()
-    service.log.close()
+    service.kill_group()
 
 
 def _stats(service) -> dict | None:
@@ -132,9 +129,7 @@ def _stats(service) -> dict | None:
 
 
 def measure_capacity(out: Path, bodies: list[bytes], clients: list[int], step_s: float) -> dict:
-    """The knee of a closed-loop ramp of a default Rampart (``bench.load_bench.ramp``); returns the ramp."""
-    from bench.load_bench import Service, ramp
-
+    """The knee of a closed-loop ramp of a default Rampart (``bench.ramp.ramp``); returns the ramp."""
     service = Service("rampart", out, label="ablation-capacity")
     try:
         service.wait_ready(bodies)
@@ -146,8 +141,6 @@ def measure_capacity(out: Path, bodies: list[bytes], clients: list[int], step_s:
 def run_arm(arm: Arm, out: Path, bodies: list[bytes], rate: float, duration_s: float, seed: int = 15) -> dict:
     """Start a Rampart with ``arm.env``, warm it up (``WARM_UP``), run the open loop at ``rate`` requests/s for
     ``duration_s`` s, and return ``outcome_summary`` with the server's ``/stats`` after the run."""
-    from bench.load_bench import Service
-
     service = Service("rampart", out, env=arm.env, label=f"ablation-{arm.key}")
     try:
         started = time.monotonic()
@@ -223,8 +216,6 @@ def main(argv: list[str] | None = None) -> int:
     report = json.loads(path.read_text()) if args.merge and path.exists() else {"arms": {}}
     duration_s = 2.0 if args.quick else args.duration
     bodies = load_bodies()
-    from bench.load_bench import machine
-
     if args.capacity is not None:
         capacity, source = args.capacity, "given (--capacity)"
         if report.get("capacity_rps") == capacity:  # the arms before measured it (--merge)

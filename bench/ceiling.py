@@ -50,7 +50,9 @@ workers' separate admission gates (docs/overload.md) cannot have shaped.
 
 from __future__ import annotations
 
+import argparse
 import io
+import json
 import os
 import subprocess
 import sys
@@ -59,11 +61,11 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.harness import ServerCpu, Service, machine, private_bentoml_home, ratio
 from bench.loadgen import closed_loop_round, run_sync
-from bench.process_cpu import ServerCpu
 
 __all__ = ["NEAR_FREE_NAME", "near_free_onnx", "phone_jpeg", "small_png", "start_import", "finish_import", "grouped",
-           "in_process_costs", "lean_pixels", "ceiling_scenario", "plot_ceiling"]
+           "in_process_costs", "lean_pixels", "ceiling_scenario", "plot_ceiling", "run", "main"]
 
 ROOT = Path(__file__).resolve().parent.parent
 NEAR_FREE_NAME = "rampart-near-free"
@@ -263,7 +265,7 @@ def in_process_costs(onnx_path: Path, bodies: dict[str, bytes], repeats: int) ->
 def measure_round(service, body: bytes, connections: int, duration_s: float, deadline_ms: float,
                   root_role: str) -> dict:
     """One closed-loop round of ``connections`` clients posting ``body`` to a ready ``service``
-    (``bench.load_bench.Service``), with its processes' CPU by role.
+    (``bench.harness.Service``), with its processes' CPU by role.
 
     Returns ``bench.loadgen.summarize``'s counts and latencies, ``clean`` (every answer a
     full 200), ``client_cpu_us_per_request`` and ``cpu_us_per_request`` per role and in
@@ -317,8 +319,6 @@ def ceiling_scenario(out: Path, quick: bool, deadline_ms: float = DEADLINE_MS) -
     "in_process_us", "runs": {server: {body: round}}, "ratios": {server: {body: req/s ÷ naive's}},
     "wall_s": {server: {"ready", "total"}}, "overhead_target_us"}``.
     """
-    from bench.load_bench import Service, _ratio, private_bentoml_home
-
     connections, round_s, warm_s, repeats = (8, 1.0, 0.0, 5) if quick else (16, 10.0, 3.0, 50)
     directory = out / "near-free"
     onnx_path = near_free_onnx(directory / "near_free.onnx")
@@ -357,7 +357,7 @@ def ceiling_scenario(out: Path, quick: bool, deadline_ms: float = DEADLINE_MS) -
         finally:
             service.stop()
         wall.setdefault(label, {})["total"] = round(time.monotonic() - started, 1)
-    ratios = {label: {body: _ratio(runs[label][body]["throughput_rps"], runs["naive"][body]["throughput_rps"])
+    ratios = {label: {body: ratio(runs[label][body]["throughput_rps"], runs["naive"][body]["throughput_rps"])
                       for body in bodies} for label in runs if label != "naive"}
     return {
         "model": {"name": NEAR_FREE_NAME, "resolution": NEAR_FREE_RESOLUTION,
@@ -407,3 +407,29 @@ def plot_ceiling(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def run(out: Path, quick: bool, command: str) -> int:
+    """``ceiling_scenario``; writes ``ceiling.json`` (with ``machine()`` and ``command``) and ``ceiling.png``,
+    and prints the runs."""
+    report = {"machine": machine(), "command": command, **ceiling_scenario(out, quick)}
+    (out / "ceiling.json").write_text(json.dumps(report, indent=2))
+    plot_ceiling(report, out / "ceiling.png")
+    print(json.dumps(report["runs"], indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.ceiling [--out bench_results] [--quick]`` (also ``python -m bench.load_bench --ceiling-only``)."""
+    parser = argparse.ArgumentParser(prog="python -m bench.ceiling", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    parser.add_argument("--quick", action="store_true",
+                        help="Rampart with 2 API workers and the naive baseline only, 1 s rounds: proves the command")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return run(args.out, args.quick, "python -m bench.ceiling" + (" --quick" if args.quick else ""))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

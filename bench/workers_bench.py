@@ -4,7 +4,7 @@
 ``workers-1-2.json``: for each worker count, a fresh server (all started together,
 measured in turns: see ``measure``) gets
 
-1. a closed-loop ramp (``bench.load_bench.ramp``: 1, 4, 8 … 64 clients, 1 s deadline),
+1. a closed-loop ramp (``bench.ramp.ramp``: 1, 4, 8 … 64 clients, 1 s deadline),
    its *knee* (highest throughput with P99 ≤ 1 s and ≤ 1% refused) and *full knee*
    (the same with ≤ 1% degraded answers: the primary answering alone), with the CPU
    the API workers (``api_cpu_ms_per_answer``: event loop, HTTP, admission, transfer
@@ -25,9 +25,9 @@ import json
 import time
 from pathlib import Path
 
-from bench.load_bench import FULL_KNEE_DEGRADED_RATE, SLO_MS, Service, knee, machine, ramp
+from bench.harness import SLO_MS, ServerCpu, Service, machine
 from bench.loadgen import DEADLINE_SLACK_MS, load_bodies, open_loop, run_sync, summarize
-from bench.process_cpu import ServerCpu
+from bench.ramp import FULL_KNEE_DEGRADED_RATE, knee, ramp
 
 CLIENTS = [1, 4, 8, 16, 32, 64]
 STEP_S = 8.0

@@ -2,7 +2,7 @@
 
 ``make serve-cluster`` runs ``start``: ``--replicas`` (2) ``bentoml serve service:Rampart``
 processes on free 127.0.0.1 ports, each with its own BENTOML_HOME (BentoML empties its
-Prometheus directory when a server starts, see ``bench.load_bench.private_bentoml_home``),
+Prometheus directory when a server starts, see ``bench.harness.private_bentoml_home``),
 and nginx from ``deploy/nginx/nginx.conf.template`` on ``--port`` (8080), retrying the
 next replica on 429, 503, connection errors and connect timeouts. It returns once every
 replica is ready; state and logs live in ``--run-dir`` (``.cluster/``), and ``make
@@ -24,24 +24,21 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import httpx
-import psutil
 
-from bench.load_bench import free_port, private_bentoml_home
+from bench.harness import STOP_TIMEOUT_S, Server, stop_tree
 
-__all__ = ["Replica", "Nginx", "Cluster", "nginx_binary", "main"]
+__all__ = ["Replica", "Nginx", "Cluster", "nginx_binary", "stop_saved", "main", "START_TIMEOUT_S", "STOP_TIMEOUT_S"]
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = Path(__file__).with_name("nginx") / "nginx.conf.template"
 BENTOML = str(Path(sys.executable).with_name("bentoml"))
 START_TIMEOUT_S = 300
-STOP_TIMEOUT_S = 90  # a drain lasts at most the longest deadline (60 s), plus margin
 
 
 def nginx_binary() -> str | None:
@@ -49,66 +46,17 @@ def nginx_binary() -> str | None:
     return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
 
 
-def _tree(pid: int) -> list[psutil.Process]:
-    """``pid`` and all its descendants (BentoML's workers run in process groups of their own)."""
-    try:
-        parent = psutil.Process(pid)
-        return [parent, *parent.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def signal_tree(pid: int, sig: int) -> None:
-    """Send ``sig`` to ``pid`` and every descendant."""
-    for process in _tree(pid):
-        try:
-            process.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
-
-
-def stop_tree(pid: int, timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM ``pid`` alone and wait up to ``timeout_s`` for its whole tree to exit, then SIGKILL what is left.
-
-    ``bentoml serve`` stops its workers itself, in order: the entry service drains first,
-    and the runners serve it until it has gone (``rampart.api.lifecycle``). Signalling
-    every process at once would start each runner's own wait for the entry service
-    instead, and the tree would take up to ``timeout_s`` to go.
-    """
-    processes = _tree(pid)
-    if not processes:
-        return
-    try:
-        processes[0].send_signal(signal.SIGTERM)
-    except psutil.NoSuchProcess:
-        pass
-    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
-    for process in alive:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=10)
-
-
-class Replica:
-    """One ``bentoml serve service:Rampart`` on 127.0.0.1:``port`` with its own BENTOML_HOME under ``run_dir``.
+class Replica(Server):
+    """One ``bentoml serve service:Rampart`` on 127.0.0.1:``port`` with its own BENTOML_HOME under ``run_dir``
+    (``bench.harness.Server``; its log, ``run_dir/<name>.log``, is appended to).
 
     ``env`` is added to this process's environment. Started at once; ``wait_ready`` blocks.
     """
 
     def __init__(self, name: str, run_dir: Path, env: dict[str, str] | None = None, port: int | None = None) -> None:
-        self.name = name
-        self.port = port or free_port()
+        super().__init__(name, lambda port: [BENTOML, "serve", "service:Rampart", "--host", "127.0.0.1", "--port", str(port)],
+                         run_dir / f"{name}.log", env, home=run_dir / f"{name}-home", port=port, append=True)
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = run_dir / f"{name}.log"
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [BENTOML, "serve", "service:Rampart", "--host", "127.0.0.1", "--port", str(self.port)],
-                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                env={**os.environ, **private_bentoml_home(run_dir / f"{name}-home"), **(env or {})},
-            )
-        self.pid = self.process.pid
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Block until ``/readyz`` is 200 (both runners warm); raise ``RuntimeError`` if it exits or times out."""
@@ -124,22 +72,13 @@ class Replica:
             time.sleep(0.5)
         raise RuntimeError(f"replica {self.name} not ready after {timeout_s} s:\n{self.log()}")
 
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-5000:]
-
     def kill(self) -> None:
-        """SIGKILL every process of the replica at once: a crashed host."""
-        signal_tree(self.pid, signal.SIGKILL)
-        self.process.wait(timeout=30)
-
-    def terminate(self) -> None:
-        """SIGTERM ``bentoml serve`` alone, as Kubernetes signals a container's first process after
-        preStop; it stops its workers itself. Returns at once."""
-        self.process.send_signal(signal.SIGTERM)
+        """SIGKILL every process of the replica at once: a crashed host (``Server.kill_tree``)."""
+        self.kill_tree()
 
     def stop(self) -> None:
-        stop_tree(self.pid)
-        self.process.wait(timeout=30)
+        """SIGTERM ``bentoml serve`` alone and wait for its tree to go (``Server.stop_tree``)."""
+        self.stop_tree()
 
 
 class Nginx:

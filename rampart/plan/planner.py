@@ -1,7 +1,7 @@
 """Capacity planner: measure this host, derive the settings and the fleet for a peak, write the plan.
 
 ``python -m rampart.plan --peak-rps N --p99-ms M [--deadline-ms D] [--degraded-share F] [--out DIR] [--quick]
-[--url URL --pid PID]`` starts Rampart with the configured models (``bench.load_bench.Service``; or measures
+[--url URL --pid PID]`` starts Rampart with the configured models (``bench.harness.Service``; or measures
 the running server at ``URL`` whose ``bentoml serve`` process is ``PID``) and measures, with the benchmark's
 load generators (``bench.loadgen``) and CPU accounting (``bench.process_cpu``):
 
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     service = None
     if args.url is None:
-        from bench.load_bench import Service
+        from bench.harness import Service
 
         service = Service("rampart", Path(tempfile.mkdtemp(prefix="rampart-plan-")))
         service.wait_ready(load_bodies())

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.load_bench import free_port
+from bench.harness import free_port
 from rampart_client import AsyncClient, BackoffPolicy, Client, Overloaded, ServiceError, Throttled
 from rampart_client.backoff import Backoff
 from tests.support import ROOT, encode, photo

@@ -24,7 +24,7 @@ import time
 import httpx
 import pytest
 
-from bench.load_bench import free_port
+from bench.harness import free_port
 from bench.loadgen import closed_loop, load_bodies, open_loop, summarize, unique
 from deploy.cluster import Cluster, Nginx, nginx_binary
 from tests.support import SLACK_MS

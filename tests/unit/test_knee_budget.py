@@ -1,9 +1,10 @@
-"""The load benchmark's primary-path knee, knee ratios and CPU-budget stage rules (bench.load_bench, bench.cpu_budget)."""
+"""The load benchmark's primary-path knee, knee ratios and CPU-budget stage rules (bench.ramp, bench.knee_budget, bench.cpu_budget)."""
 
 from __future__ import annotations
 
 from bench.cpu_budget import STAGES, stage_of
-from bench.load_bench import knee_ratios, primary_knee
+from bench.knee_budget import knee_ratios
+from bench.ramp import primary_knee
 
 
 def step(clients: int, throughput: float, full: float, p99: float, errors: float = 0.0) -> dict:

@@ -1,0 +1,279 @@
+"""The benchmark harness: how every scenario, the planner, the loopback cluster and the server tests start,
+wait for and stop a server, and how they read its CPU.
+
+- ``Server``: the one launcher. A command on a free 127.0.0.1 port, in its own session (process
+  group), its output appended or written to a log file, with a private BentoML home
+  (``private_bentoml_home``) unless the environment names one; stopped by process group
+  (``stop_group``, ``kill_group``) or by process tree (``stop_tree``, ``kill_tree``).
+- ``Service``: a service under test of the benchmarks (Rampart, the naive and plain BentoML
+  baselines, the Triton peer), ready once a real request is answered; ``url`` is its classify endpoint.
+  ``deploy.cluster.Replica`` is the other kind: a Rampart replica, ready when ``/readyz`` is 200.
+- CPU by process role: ``ServerCpu``, ``server_processes`` and ``process_role`` of ``bench.process_cpu``.
+- ``machine()`` (the host a report was measured on), ``SLO_MS`` (the benchmarks' deadline) and
+  ``Sizes`` (the step sizes of the load benchmark's scenarios, full or ``--quick``).
+
+This module imports no scenario: each scenario (``python -m bench.<name>``, docs/benchmarks.md,
+"Harness") imports it.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import psutil
+
+from bench.baselines import triton_pytriton
+from bench.loadgen import oip_request
+from bench.process_cpu import ROLES, ServerCpu, process_role, server_processes
+
+__all__ = ["ROOT", "BIN", "SLO_MS", "STOP_TIMEOUT_S", "Sizes", "private_bentoml_home", "free_port",
+           "stop_process_group", "signal_tree", "stop_tree", "Server", "Service", "machine", "ratio",
+           "ROLES", "ServerCpu", "process_role", "server_processes"]
+
+ROOT = Path(__file__).resolve().parent.parent
+#: The directory of this interpreter's scripts (``bentoml``, ``uvicorn``).
+BIN = Path(sys.executable).parent
+#: The benchmarks' deadline and P99 target, ms: every request's ``X-Deadline-Ms`` and the knee rule's bound.
+SLO_MS = 1000.0
+#: How long ``stop_tree`` waits for a server's tree to go, s: a drain lasts at most the longest deadline
+#: (60 s), plus margin.
+STOP_TIMEOUT_S = 90
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The load benchmark's step sizes: raw-ceiling ``batch_sizes`` and ``repeats``, ramp ``clients`` and
+    ``step_s`` (s per step), overload ``factors`` (× the knee) and ``overload_s`` (s per run), the
+    closed-loop sweep's ``sweep_connections`` and ``sweep_s`` (s per round), and ``budget_s`` (s of the
+    CPU-budget step)."""
+
+    batch_sizes: list[int]
+    repeats: int
+    clients: list[int]
+    step_s: float
+    factors: list[float]
+    overload_s: float
+    sweep_connections: tuple[int, ...]
+    sweep_s: float
+    budget_s: float
+
+    @classmethod
+    def of(cls, quick: bool) -> Sizes:
+        """The full sizes, or with ``quick`` the tiny ones that prove a command and measure little."""
+        if quick:
+            return cls([1, 4], 1, [1, 8], 2.0, [5.0], 3.0, (1, 4), 2.0, 2.0)
+        return cls([1, 2, 4, 8, 16, 32, 64], 3, [1, 2, 4, 8, 16, 32, 64, 128, 256], 4.0, [1.0, 2.0, 5.0, 10.0], 8.0,
+                   (1, 4, 16, 64, 256), 10.0, 8.0)
+
+
+def private_bentoml_home(directory: Path, store: Path | None = None) -> dict[str, str]:
+    """Environment giving one ``bentoml serve`` its own BENTOML_HOME that shares the model store.
+
+    BentoML keeps its Prometheus multiprocess files in ``$BENTOML_HOME/prometheus_multiproc_dir``
+    and empties it whenever a server starts, so two servers under one home erase each
+    other's metrics. ``directory/models`` links to ``store`` (default: the real store), by its absolute
+    path; a link left there to another store is replaced.
+    """
+    real_home = Path(os.environ.get("BENTOML_HOME", Path.home() / "bentoml"))
+    directory = directory.resolve()
+    directory.mkdir(parents=True, exist_ok=True)
+    models = directory / "models"
+    target = (store or real_home / "models").resolve()  # a relative target would resolve from the link's folder
+    if models.is_symlink() and models.resolve() != target:
+        models.unlink()
+    if not models.is_symlink():
+        models.symlink_to(target, target_is_directory=True)
+    return {"BENTOML_HOME": str(directory)}
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS's choice; another process may take it before it is used)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stop_process_group(process: subprocess.Popen) -> None:
+    """SIGTERM the process group started with ``start_new_session``; SIGKILL it after 30 s."""
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    """``pid`` and all its descendants (BentoML's workers run in process groups of their own)."""
+    try:
+        parent = psutil.Process(pid)
+        return [parent, *parent.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_tree(pid: int, sig: int) -> None:
+    """Send ``sig`` to ``pid`` and every descendant."""
+    for process in _tree(pid):
+        try:
+            process.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def stop_tree(pid: int, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM ``pid`` alone and wait up to ``timeout_s`` for its whole tree to exit, then SIGKILL what is left.
+
+    ``bentoml serve`` stops its workers itself, in order: the entry service drains first,
+    and the runners serve it until it has gone (``rampart.api.lifecycle``). Signalling
+    every process at once would start each runner's own wait for the entry service
+    instead, and the tree would take up to ``timeout_s`` to go.
+    """
+    processes = _tree(pid)
+    if not processes:
+        return
+    try:
+        processes[0].send_signal(signal.SIGTERM)
+    except psutil.NoSuchProcess:
+        pass
+    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+
+
+class Server:
+    """One server process: ``command(port)`` run from the repository root on ``port`` (default: a free one),
+    in a session of its own, stdout and stderr to ``log_path`` (appended with ``append``, else truncated).
+
+    The environment is this process's plus ``env``; unless ``env`` names a ``BENTOML_HOME``, the server
+    gets a private one in ``home`` (``private_bentoml_home``; required then). Started at once; the
+    subclasses say when it is ready. ``process`` is the ``subprocess.Popen``, ``pid`` its pid.
+    """
+
+    def __init__(self, name: str, command: Callable[[int], list[str]], log_path: Path,
+                 env: dict[str, str] | None = None, home: Path | None = None, port: int | None = None,
+                 append: bool = False) -> None:
+        self.name = name
+        self.port = port or free_port()
+        self.log_path = log_path
+        env = env or {}
+        private = {} if "BENTOML_HOME" in env else private_bentoml_home(home)
+        with open(log_path, "ab" if append else "wb") as log:
+            self.process = subprocess.Popen(command(self.port), cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                            start_new_session=True, env={**os.environ, **private, **env})
+        self.pid = self.process.pid
+
+    def log(self) -> str:
+        """The last 5000 characters of the server's log."""
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def stop_group(self) -> None:
+        """SIGTERM the server's process group; SIGKILL it after 30 s (``stop_process_group``)."""
+        stop_process_group(self.process)
+
+    def kill_group(self) -> None:
+        """SIGKILL the server's process group at once: what it still holds is abandoned."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def stop_tree(self) -> None:
+        """SIGTERM the server alone and wait for its whole tree (``stop_tree``), then reap it."""
+        stop_tree(self.pid)
+        self.process.wait(timeout=30)
+
+    def kill_tree(self) -> None:
+        """SIGKILL every process of the server's tree at once: a crashed host."""
+        signal_tree(self.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+
+    def terminate(self) -> None:
+        """SIGTERM the server's first process alone, as Kubernetes signals a container's first process after
+        preStop; ``bentoml serve`` stops its workers itself. Returns at once."""
+        self.process.send_signal(signal.SIGTERM)
+
+
+def _bentoml_serve(target: str) -> Callable[[int], list[str]]:
+    return lambda port: [str(BIN / "bentoml"), "serve", target, "--host", "127.0.0.1", "--port", str(port)]
+
+
+class Service(Server):
+    """One service under test, in its own process group; ``url`` is its classify endpoint."""
+
+    COMMANDS = {
+        "rampart": _bentoml_serve("service:Rampart"),
+        "plain_bentoml": _bentoml_serve("bench.baselines.plain_bentoml:Plain"),
+        "naive": lambda port: [str(BIN / "uvicorn"), "bench.baselines.naive_fastapi:app", "--host", "127.0.0.1",
+                               "--port", str(port), "--log-level", "warning"],
+        "triton": triton_pytriton.command,
+    }
+
+    def __init__(self, name: str, log_dir: Path, env: dict[str, str] | None = None, label: str | None = None) -> None:
+        """Start service ``name`` (see ``COMMANDS``) with extra environment ``env``; its log goes to
+        ``log_dir/<label>.log`` (``label`` defaults to ``name``; two instances of one service need two)."""
+        label = label or name
+        super().__init__(name, self.COMMANDS[name], log_dir / f"{label}.log", env, home=log_dir / f"{label}-home")
+        self.url = triton_pytriton.infer_url(self.port) if name == "triton" else f"http://127.0.0.1:{self.port}/classify"
+        self.form_field = "image" if name == "plain_bentoml" else None
+        self.oip = name == "triton"  # an Open Inference Protocol /infer URL (bench.loadgen.oip_request)
+
+    def wait_ready(self, bodies: list[bytes], timeout_s: float = 300) -> None:
+        """Ready when BentoML's ``/readyz`` says so (runners warmed up), then one real request is answered 200."""
+        deadline = time.monotonic() + timeout_s
+        base = self.url.rsplit("/", 1)[0]
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}")
+            try:
+                if self.name in ("rampart", "plain_bentoml") and httpx.get(f"{base}/readyz", timeout=5).status_code != 200:
+                    time.sleep(0.25)
+                    continue
+                if self.oip:
+                    body, headers = oip_request(bodies[0])
+                    response = httpx.post(self.url, content=body, headers=headers, timeout=30)
+                elif self.form_field:
+                    response = httpx.post(self.url, files={self.form_field: ("a.jpg", bodies[0], "image/jpeg")}, timeout=30)
+                else:
+                    response = httpx.post(self.url, content=bodies[0], timeout=30)
+                if response.status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"{self.name} not ready after {timeout_s} s")
+
+    def stop(self) -> None:
+        """Stop the service by its process group (``Server.stop_group``)."""
+        self.stop_group()
+
+
+def machine() -> dict:
+    """The host a report was measured on: platform, Python, CPU count, torch version, GPU name (or None), date."""
+    import torch
+
+    return {
+        "platform": platform.platform(), "python": platform.python_version(), "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """``a / b`` rounded to 2 places; None when either is missing or ``b`` is 0."""
+    return round(a / b, 2) if a is not None and b else None

@@ -1,0 +1,109 @@
+"""Knee ratios and the CPU budget: ``python -m bench.knee_budget [--out bench_results] [--quick]`` writes
+``knee.json`` (also ``python -m bench.load_bench --knee-only``; about 5 minutes).
+
+The raw ceiling (``bench.raw_ceiling``), then Rampart's ramp up to 64 clients (``bench.ramp``)
+and one more step at its primary-path knee's client count with the server's CPU per request
+by process (measured) and by stage (py-spy samples, when installed): ``bench.cpu_budget``;
+then each baseline's ramp, one server at a time. ``knee_ratios`` divides Rampart's
+primary-path knee by the raw primary ceiling at its best batch size and by every baseline's
+knee that ran. Also step 7 of ``python -m bench.load_bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from bench.harness import SLO_MS, Service, Sizes, machine, ratio
+from bench.loadgen import closed_loop, load_bodies, run_sync, summarize
+from bench.peers import skipped_peer
+from bench.ramp import ramp
+from bench.raw_ceiling import raw_ceiling
+
+__all__ = ["knee_ratios", "budget_step", "knee_comparison", "run", "main"]
+
+
+def knee_ratios(results: dict) -> dict:
+    """Rampart's primary-path knee (``primary_knee`` ``full_rps``, req/s) against the raw primary model ceiling at
+    its best batch size (images/s, ``raw_ceiling_ips``) and against every baseline in ``results`` (its knee
+    throughput, req/s; each baseline answers from the same model only): ``{"raw_ceiling": …, "<baseline>": …}``,
+    each also with the two figures it divides. Baselines are the services ``Service.COMMANDS`` names, other than
+    Rampart, that ran."""
+    ours = results["rampart"]["ramp"]["primary_knee"]["full_rps"]
+    out = {}
+    ceiling = results.get("raw_ceiling_ips", {}).get("primary")
+    if ceiling:
+        best_batch = max(ceiling, key=lambda size: ceiling[size])
+        out["raw_ceiling"] = {"ratio": ratio(ours, ceiling[best_batch]), "rampart_primary_knee_rps": ours,
+                              "ceiling_ips": ceiling[best_batch], "best_batch": int(best_batch)}
+    for name in Service.COMMANDS:
+        if name != "rampart" and name in results and "ramp" in results[name]:
+            theirs = results[name]["ramp"]["knee"]["throughput_rps"]
+            out[name] = {"ratio": ratio(ours, theirs), "rampart_primary_knee_rps": ours, "knee_rps": theirs}
+    return out
+
+
+def budget_step(service: Service, bodies: list[bytes], clients: int, step_s: float) -> dict:
+    """One more closed-loop step of ``clients`` (normally the primary-path knee's) with the server's per-request
+    CPU budget measured during it (``bench.cpu_budget.measure``: by process exactly, by stage from py-spy samples
+    when py-spy is installed); also the step's throughput, full answers per second and P99."""
+    from bench.cpu_budget import measure
+
+    def step() -> list:
+        return run_sync(closed_loop(service.url, bodies, clients, step_s, deadline_ms=SLO_MS))
+
+    captured: list = []
+    report = measure(service.process.pid, lambda: captured.extend(step()) or captured, step_s)
+    summary = summarize(captured, step_s)
+    return {"clients": clients, "step_s": step_s, "throughput_rps": summary["throughput_rps"],
+            "full_rps": round(summary["full"] / step_s, 2), "p99_ms": summary["p99_ms"], **report}
+
+
+def knee_comparison(out: Path, batch_sizes: list[int], repeats: int, clients: list[int], step_s: float,
+                    budget_s: float, command: str) -> int:
+    """The raw ceiling, then Rampart's ramp and CPU budget (a ``budget_s`` step) at its primary-path knee, then each
+    baseline's ramp, one server at a time; writes ``knee.json`` (``command`` recorded) with ``knee_ratios`` and
+    prints the ratios."""
+    bodies = load_bodies()
+    results: dict = {"machine": machine(), "slo_ms": SLO_MS, "command": command,
+                     "raw_ceiling_ips": raw_ceiling(batch_sizes, repeats)}
+    for name in Service.COMMANDS:
+        if skipped_peer(name, results):
+            continue
+        service = Service(name, out)
+        try:
+            service.wait_ready(bodies)
+            results[name] = {"ramp": ramp(service, bodies, clients, step_s)}
+            if name == "rampart":
+                results[name]["cpu_budget"] = budget_step(service, bodies, results[name]["ramp"]["primary_knee"]["clients"],
+                                                          budget_s)
+        finally:
+            service.stop()
+        print(name, json.dumps(results[name]["ramp"]["primary_knee"]), flush=True)
+    results["knee_ratios"] = knee_ratios(results)
+    (out / "knee.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps({"knee_ratios": results["knee_ratios"], "cpu_budget": results["rampart"]["cpu_budget"]}, indent=2))
+    return 0
+
+
+def run(out: Path, quick: bool, command: str) -> int:
+    """``knee_comparison`` with ``bench.harness.Sizes`` (the ramp cut at 64 clients)."""
+    sizes = Sizes.of(quick)
+    return knee_comparison(out, sizes.batch_sizes, sizes.repeats, [n for n in sizes.clients if n <= 64], sizes.step_s,
+                           sizes.budget_s, command)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.knee_budget", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    parser.add_argument("--quick", action="store_true", help="tiny steps: proves the command, measures little")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return run(args.out, args.quick, "python -m bench.knee_budget" + (" --quick" if args.quick else ""))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
