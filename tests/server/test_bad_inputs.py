@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from tests.support import PHOTOS, encode, photo
-from tests.unit.test_decoding import png_bomb
+from tests.support.decoding import png_bomb
 
 
 def tiff_bomb() -> bytes:

@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from rampart.config import Settings
-from tests.server.test_fallback import write_faults
-from tests.server.test_observability import dashboard_metrics, missing_metrics
 from tests.support import PHOTOS, ROOT, SLACK_MS, encode, photo
+from tests.support.faults import write_faults
+from tests.support.metrics import dashboard_metrics, missing_metrics
 
 DEADLINE_MS = 800
 CALIBRATION = json.loads((ROOT / "docs" / "bench" / "cascade_eval.json").read_text())

@@ -28,7 +28,7 @@ from bench.harness import free_port
 from bench.loadgen import closed_loop, load_bodies, open_loop, summarize, unique
 from deploy.cluster import Cluster, Nginx, nginx_binary
 from tests.support import SLACK_MS
-from tests.server.test_client_backoff import SheddingServer
+from tests.support.shedding import SheddingServer
 
 CAPACITY_DELAY_MS = 250
 REPLICA_ENV = {"RAMPART_PRIMARY_MAX_BATCH_SIZE": "2", "RAMPART_FALLBACK_MAX_BATCH_SIZE": "2"}

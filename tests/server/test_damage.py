@@ -12,8 +12,8 @@ import pytest
 
 from rampart.inputs import recovery
 from tests.support import ROOT
-from tests.server.test_observability import scrape, total
-from tests.unit.test_damage import BENIGN, ORIGINALS, TRUNCATED, original
+from tests.support.metrics import scrape, total
+from tests.support.damage import BENIGN, ORIGINALS, TRUNCATED, original
 
 
 def test_server_classifies_every_benign_fault_like_the_undamaged_photo(server):

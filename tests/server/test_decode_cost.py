@@ -8,7 +8,7 @@ import time
 import httpx
 
 from tests.support import PHOTOS, SLACK_MS, encode, photo
-from tests.unit.test_decode_cost import BOMBS, SETTINGS
+from tests.support.bombs import BOMBS, SETTINGS
 
 
 def test_bombs_get_4xx_fast_and_ordinary_uploads_right_after_get_200(server):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import httpx
 
 from tests.support import encode, photo
-from tests.server.test_observability import missing_metrics, queried_metrics
-from tests.unit.test_deploy import adapter_rules, container, deployment, scaled_object
+from tests.support.metrics import missing_metrics, queried_metrics
+from tests.support.deploy import adapter_rules, container, deployment, scaled_object
 
 
 def test_probe_paths_and_trigger_metrics_exist(server):

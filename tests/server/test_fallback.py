@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import time
 
 import httpx
@@ -12,15 +10,9 @@ import pytest
 
 from rampart.config import Settings
 from tests.support import PHOTOS, SLACK_MS, encode, photo
+from tests.support.faults import write_faults
 
 DEADLINE_MS = 800
-
-
-def write_faults(path, **faults) -> None:
-    """Replace the fault file atomically (the runners re-read it when it changes)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(faults))
-    os.replace(tmp, path)
 
 
 @pytest.fixture(scope="module")

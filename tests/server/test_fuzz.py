@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
-from tests.unit.test_fuzz import mutated_images
+from tests.support.fuzz import mutated_images
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import json
 import re
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import PHOTOS, ROOT, encode, photo
+from tests.support import PHOTOS, encode, photo
+from tests.support.metrics import dashboard_metrics, missing_metrics, scrape, total
 
 #: Every rampart_* family docs/observability.md and the dashboard promise (name as the parser reports it).
 RAMPART_FAMILIES = {
@@ -17,21 +17,6 @@ RAMPART_FAMILIES = {
     "rampart_stage_duration_seconds", "rampart_batch_size", "rampart_input_megapixels", "rampart_top1_confidence",
     "rampart_top1_class", "rampart_process_resident_memory_bytes", "rampart_event_loop_lag_seconds",
 }
-
-
-def scrape(server) -> dict[str, dict[tuple, float]]:
-    """``{sample name: {sorted label items: value}}`` from the server's /metrics."""
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    samples: dict[str, dict[tuple, float]] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
-    return samples
-
-
-def total(samples: dict, name: str, **labels: str) -> float:
-    wanted = set(labels.items())
-    return sum(v for k, v in samples.get(name, {}).items() if wanted <= set(k) and ("pid", "") not in k)
 
 
 def families(samples: dict) -> set[str]:
@@ -106,32 +91,9 @@ def test_one_log_line_per_request(server):
     assert len(others) <= 2, others[:6]  # a runner access line per call would be one more line per request
 
 
-def queried_metrics(exprs: list[str]) -> set[str]:
-    """The ``rampart_*`` / ``bentoml_*`` sample names that PromQL expressions ``exprs`` read."""
-    unquoted = [re.sub(r'"[^"]*"', '""', expr) for expr in exprs]  # label values are not metric names
-    return {name for expr in unquoted for name in re.findall(r"\b((?:rampart|bentoml)_[a-z0-9_]+)", expr)}
-
-
-def missing_metrics(server, queried: set[str]) -> set[str]:
-    """The names in ``queried`` that the server's /metrics lacks (GPU-only gauges excused on CPU)."""
-    from rampart.telemetry import metrics
-
-    # The GPU gauges get values only where CUDA is present; on CPU they are only declared.
-    gpu_only = {g.describe()[0].name for g in (metrics.GPU_MEMORY_USED, metrics.GPU_MEMORY_TOTAL)}
-    available = set(scrape(server))
-    return {name for name in queried - gpu_only if name not in available}
-
-
 #: Metrics a server has only in one mode (routing cascade, a shadow model): the dashboard's are checked on
 #: those servers (tests/server/test_cascade.py, test_shadow.py), not on the default one.
 MODE_ONLY_PREFIXES = ("rampart_cascade_", "rampart_shadow_")
-
-
-def dashboard_metrics(prefix: str = "") -> set[str]:
-    """The metric names the Grafana dashboard queries (``queried_metrics``) that start with ``prefix``."""
-    dashboard = json.loads((ROOT / "grafana" / "rampart-dashboard.json").read_text())
-    queried = queried_metrics([target["expr"] for panel in dashboard["panels"] for target in panel["targets"]])
-    return {name for name in queried if name.startswith(prefix)}
 
 
 def test_every_metric_the_grafana_dashboard_queries_exists(server):

@@ -15,7 +15,7 @@ from tritonclient.utils import InferenceServerException
 from rampart.api import oip
 from rampart.errors import ERROR_CLASSES
 from tests.support import PHOTOS, ROOT, encode, photo
-from tests.unit.test_oip import DEADLINE_MS, HOSTILE, image_input, texts
+from tests.support.oip import DEADLINE_MS, HOSTILE, image_input, texts
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tests.support import ROOT
-from tests.unit.test_deploy import validate
+from tests.support.deploy import validate
 
 
 def test_the_quick_plan_measures_the_server_and_writes_a_valid_overlay(server, tmp_path):

@@ -14,8 +14,8 @@ from rampart.api import http
 from rampart.api.headlimit import MAX_HEAD_BYTES
 from rampart.api.routing import OTHER_ENDPOINT
 from tests.support import PHOTOS, encode, photo
-from tests.server.test_observability import scrape
-from tests.unit.test_request_bounds import BOMB_TO_UPLOAD_RATIO, EMPTY_PARTS_BOMB, LIVEZ_BUDGET_MS, MULTIPART, TINY_IMAGES_BOMB, json_error
+from tests.support.metrics import scrape
+from tests.support.bounds import BOMB_TO_UPLOAD_RATIO, EMPTY_PARTS_BOMB, LIVEZ_BUDGET_MS, MULTIPART, TINY_IMAGES_BOMB, json_error
 
 
 def test_unknown_paths_and_wrong_methods_get_json_404_and_405(http):

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 from bench.loadgen import load_bodies, open_loop, unique
-from tests.server.test_observability import dashboard_metrics, missing_metrics
+from tests.support.metrics import dashboard_metrics, missing_metrics
 from tests.support import ROOT
 
 SHADOW_DEADLINE_MS = 300

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 
 from rampart.config import Settings
-from tests.server.test_observability import scrape
+from tests.support.metrics import scrape
 from tests.support import PHOTOS, encode, photo
 
 SETTINGS = Settings()  # the session server runs the defaults

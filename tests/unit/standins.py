@@ -1,16 +1,31 @@
-"""Stand-in models for in-process tests of the pipeline and the HTTP layer (faults injected on purpose)."""
+"""Stand-in models for in-process tests of the pipeline and the HTTP layer (faults injected on purpose), and the
+stand-in pipeline and app built on them: ``stand_in_classifier``, ``stand_in_chain``, ``served_classifier`` and
+the app ``Rig`` (the ``make_rig`` and ``rig`` fixtures of tests/unit/conftest.py)."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
 import numpy as np
+from starlette.testclient import TestClient
 
+from rampart.api.app import create_app, route_error_answered
+from rampart.api.lifecycle import Lifecycle
+from rampart.api.routing import JSONRouteErrors
+from rampart.config import Settings
 from rampart.inputs.buckets import buckets_for_resolution
-from rampart.pipeline import ModelEndpoint, RunnerAnswer
+from rampart.inputs.pool import BoundedPool
+from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
+from tests.support import encode, photo
 
 #: The stand-ins' class names: 1000 classes, like the default ImageNet-1k models.
 LABELS = [f"class {i}" for i in range(1000)]
+#: Request bodies of the app tests: real photos as JPEG (a cat, a cup of coffee).
+CAT = encode(photo("chelsea"))
+COFFEE = encode(photo("coffee"))
+#: The model names the service gives its endpoints (the stand-in app answers with them).
+SERVED_NAMES = ("rampart-primary", "rampart-fallback")
 
 
 class StandIn:
@@ -48,3 +63,64 @@ class StandIn:
     def endpoint(self, name: str, resolution: int) -> ModelEndpoint:
         """This stand-in as the pipeline's ``ModelEndpoint`` named ``name``, with the buckets of ``resolution``."""
         return ModelEndpoint(name, "v1", LABELS, buckets_for_resolution(resolution), self.call)
+
+
+def stand_in_classifier(settings: Settings, primary: StandIn, fallback: StandIn, pool: BoundedPool | None = None,
+                        names: tuple[str, str] = ("primary", "fallback")) -> Classifier:
+    """A real ``rampart.pipeline.Classifier`` on two stand-ins: ``primary`` at 260 px and ``fallback`` at 224 px
+    (the default models' resolutions), named ``names``, decoding on ``pool`` (default a 2-thread pool with 8 places)."""
+    return Classifier(settings, primary.endpoint(names[0], 260), fallback.endpoint(names[1], 224),
+                      pool or BoundedPool(2, 8))
+
+
+def stand_in_chain(settings: Settings, pool: BoundedPool | None = None, fail: bool = False,
+                   delay_s: float = 0.0) -> Classifier:
+    """``stand_in_classifier`` with a primary answering class 1 (raising when ``fail``, slept ``delay_s`` s
+    before answering) and a fallback answering class 2."""
+    primary, fallback = StandIn(1), StandIn(2)
+    primary.mode = "error" if fail else "ok"
+    primary.delay_s = delay_s
+    return stand_in_classifier(settings, primary, fallback, pool)
+
+
+def served_classifier(settings: Settings, primary: StandIn, fallback: StandIn) -> Classifier:
+    """``stand_in_classifier`` as the service builds it: the models named ``SERVED_NAMES``, decoding on the
+    settings' own pool (``rampart.pipeline.decode_pool``)."""
+    return stand_in_classifier(settings, primary, fallback, decode_pool(settings), SERVED_NAMES)
+
+
+@dataclass
+class Rig:
+    """An app and what the tests poke: its client, both stand-in models, classifier and lifecycle."""
+
+    client: TestClient
+    primary: StandIn
+    fallback: StandIn
+    classifier: Classifier
+    lifecycle: Lifecycle
+
+
+def open_rig(ready: bool = True, **overrides) -> Rig:
+    """A real app (``rampart.api.app.create_app`` behind ``JSONRouteErrors``) on ``served_classifier`` with a
+    primary answering class 281 (a tabby cat) and a fallback answering 967 (espresso), a thread decode pool of
+    2 and ``overrides`` for the other settings; its lifecycle marked ready unless ``ready`` is False. The
+    client is entered; ``close_rig`` leaves it."""
+    settings = Settings(decode_mode="threads", decode_workers=2, **overrides)
+    primary, fallback = StandIn(best=281), StandIn(best=967)
+    classifier = served_classifier(settings, primary, fallback)
+    lifecycle = Lifecycle()
+    if ready:
+        lifecycle.mark_ready()
+    app = create_app(settings, classifier=classifier, lifecycle=lifecycle)
+    client = TestClient(JSONRouteErrors(app, answered=route_error_answered), raise_server_exceptions=False)
+    return Rig(client.__enter__(), primary, fallback, classifier, lifecycle)
+
+
+def close_rig(rig: Rig) -> None:
+    """Leave the rig's client (the app's lifespan ends)."""
+    rig.client.__exit__(None, None, None)
+
+
+def fill(gate) -> list:
+    """Take every place of an admission gate (dispatch window and queue), as concurrent requests would."""
+    return [gate.reserve(False, 60.0) for _ in range(gate.window + gate.queue_limit)]

@@ -8,7 +8,7 @@
   the runner gets the client's deadline and the pipeline stops at it.
 
 HTTP through Starlette's ``TestClient`` with the stand-in models (``make_rig`` of
-tests/unit/test_app.py); the gate's own modes on an ``AdmissionGate``.
+tests/unit/conftest.py); the gate's own modes on an ``AdmissionGate``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from bench.loadgen import Sample
 from rampart.config import Settings
 from rampart.overload.admission import AdmissionGate, Shed, ThroughputMeter
 from rampart.overload.deadline import Share
-from tests.unit.test_app import CAT, fill, make_rig  # noqa: F401  (make_rig is a fixture)
+from tests.unit.standins import CAT, fill
 
 
 def gate(mode: str) -> AdmissionGate:

@@ -2,7 +2,8 @@
 
 The app gets a real ``rampart.pipeline.Classifier`` on a thread decode pool, whose
 two models are stand-ins (``StandIn``): they answer fixed probabilities, or raise,
-hang, or drop the item as expired, to inject each fault on purpose. Every 4xx the
+hang, or drop the item as expired, to inject each fault on purpose (the ``rig`` and
+``make_rig`` fixtures of tests/unit/conftest.py, built by ``tests.unit.standins.open_rig``). Every 4xx the
 HTTP layer maps and every ``degraded_reason`` the pipeline emits is reached here.
 """
 
@@ -13,62 +14,15 @@ import base64
 import io
 import json
 import time
-from dataclasses import dataclass
 
 import pytest
 from PIL import Image
 from starlette.testclient import TestClient
 
-from rampart.api.app import attach, create_app, route_error_answered, state_of
+from rampart.api.app import attach, create_app, state_of
 from rampart.config import Settings
-from rampart.api.lifecycle import Lifecycle
-from rampart.pipeline import Classifier, decode_pool
-from rampart.api.routing import JSONRouteErrors
 from tests.support import encode, photo
-from tests.unit.standins import StandIn
-
-CAT = encode(photo("chelsea"))
-COFFEE = encode(photo("coffee"))
-
-
-@dataclass
-class Rig:
-    """An app and what the tests poke: its client, both stand-in models, classifier and lifecycle."""
-
-    client: TestClient
-    primary: StandIn
-    fallback: StandIn
-    classifier: Classifier
-    lifecycle: Lifecycle
-
-
-@pytest.fixture
-def make_rig():
-    """``make_rig(**settings)``: a ready app with stand-in models, closed after the test."""
-    made = []
-
-    def make(ready: bool = True, **overrides) -> Rig:
-        settings = Settings(decode_mode="threads", decode_workers=2, **overrides)
-        primary, fallback = StandIn(best=281), StandIn(best=967)
-        classifier = Classifier(settings, primary.endpoint("rampart-primary", 260),
-                                fallback.endpoint("rampart-fallback", 224), decode_pool(settings))
-        lifecycle = Lifecycle()
-        if ready:
-            lifecycle.mark_ready()
-        app = create_app(settings, classifier=classifier, lifecycle=lifecycle)
-        client = TestClient(JSONRouteErrors(app, answered=route_error_answered), raise_server_exceptions=False)
-        made.append(client.__enter__())
-        return Rig(client, primary, fallback, classifier, lifecycle)
-
-    yield make
-    for client in made:
-        client.__exit__(None, None, None)
-
-
-@pytest.fixture
-def rig(make_rig) -> Rig:
-    return make_rig()
-
+from tests.unit.standins import CAT, COFFEE, fill
 
 def error_of(response) -> tuple[int, str]:
     return response.status_code, response.json()["error"]["code"]
@@ -83,11 +37,6 @@ def two_frame_gif() -> bytes:
     buffer = io.BytesIO()
     frames[0].save(buffer, format="GIF", save_all=True, append_images=frames[1:])
     return buffer.getvalue()
-
-
-def fill(gate) -> list:
-    """Take every place of an admission gate (dispatch window and queue), as concurrent requests would."""
-    return [gate.reserve(False, 60.0) for _ in range(gate.window + gate.queue_limit)]
 
 
 # --- full and degraded answers ------------------------------------------------------------------

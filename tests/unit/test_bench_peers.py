@@ -15,7 +15,7 @@ from bench.baselines import triton_pytriton
 from bench.loadgen import oip_answer, oip_request
 from rampart.api import oip
 from tests.support import encode, photo
-from tests.unit.test_oip import answer, texts
+from tests.support.oip import answer, texts
 
 #: A real answer of the Triton baseline (Triton 2.51.0 under PyTriton 0.7.0) to ``oip_request`` of the chelsea photo.
 TRITON_ANSWER = (

@@ -2,7 +2,7 @@
 
 The stand-in fallback answers with a chosen top-1 probability, so each side of the
 threshold is reached on purpose; faults of the primary (error, hang, full gate, open
-breaker) and of the fallback are injected as in tests/unit/test_app.py.
+breaker) and of the fallback are injected as in tests/unit/test_app.py (``tests.unit.standins``).
 """
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ from rampart.api.lifecycle import Lifecycle
 from rampart.api.routing import JSONRouteErrors
 from rampart.config import Settings
 from rampart.overload.deadline import Deadline
-from rampart.pipeline import Classifier, decode_pool
-from tests.support import encode, photo
-from tests.unit.standins import StandIn
+from tests.unit.standins import CAT, StandIn, fill, served_classifier
 
-CAT = encode(photo("chelsea"))
 PRIMARY_CLASS, FALLBACK_CLASS = 281, 285
 
 
@@ -34,17 +31,10 @@ class Cascade:
         self.settings = Settings(decode_mode="threads", decode_workers=2, **{"routing": "cascade", **settings})
         self.primary = StandIn(PRIMARY_CLASS)
         self.fallback = StandIn(FALLBACK_CLASS, fallback_score, runner_up)
-        self.classifier = Classifier(self.settings, self.primary.endpoint("rampart-primary", 260),
-                                     self.fallback.endpoint("rampart-fallback", 224),
-                                     decode_pool(self.settings))
+        self.classifier = served_classifier(self.settings, self.primary, self.fallback)
 
     def classify(self, deadline_ms: float = 5_000) -> dict:
         return asyncio.run(self.classifier.classify(CAT, 3, Deadline(deadline_ms, fallback_reserve_ms=250)))
-
-
-def fill(gate) -> list:
-    """Take every place of an admission gate (dispatch window and queue), as concurrent requests would."""
-    return [gate.reserve(False, 60.0) for _ in range(gate.window + gate.queue_limit)]
 
 
 def routes_total(route: str) -> float:
@@ -135,8 +125,7 @@ def test_primary_first_is_unchanged_and_says_its_route_over_http():
     settings = Settings(decode_mode="threads", decode_workers=2)
     primary = StandIn(PRIMARY_CLASS)
     fallback = StandIn(FALLBACK_CLASS)
-    classifier = Classifier(settings, primary.endpoint("rampart-primary", 260), fallback.endpoint("rampart-fallback", 224),
-                            decode_pool(settings))
+    classifier = served_classifier(settings, primary, fallback)
     lifecycle = Lifecycle()
     lifecycle.mark_ready()
     app = create_app(settings, classifier=classifier, lifecycle=lifecycle)

@@ -10,18 +10,12 @@ from PIL import Image
 
 from bench.bombs import CHUNK_FORMATS, MULTI_FRAME_FORMATS, many_chunks, many_frames, progressive_jpeg
 from rampart import errors
-from rampart.config import Settings
 from rampart.inputs.decode_cost import check_decode_cost
 from rampart.inputs.decoding import DecodeLimits, decode_image, sniff_format
 from tests.support import encode, photo
-from tests.unit.test_decoding import LIMITS
+from tests.support.bombs import BOMBS, SETTINGS
+from tests.support.decoding import LIMITS
 
-SETTINGS = Settings()
-BOMBS = {
-    "progressive_jpeg_8000_scans": (progressive_jpeg(7000, 8000), errors.DecodeCostTooHigh),
-    **{f"{fmt.lower()}_101_frames": (many_frames(fmt, 101), errors.TooManyFrames) for fmt in MULTI_FRAME_FORMATS},
-    **{f"{fmt.lower()}_200k_chunks": (many_chunks(fmt, 200_000), errors.DecodeCostTooHigh) for fmt in CHUNK_FORMATS},
-}
 
 
 @pytest.mark.parametrize("name", sorted(BOMBS))

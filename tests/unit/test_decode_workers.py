@@ -23,7 +23,7 @@ from rampart.errors import Overloaded
 from rampart.pipeline import decode_pool
 from rampart.inputs.pool import BoundedPool, JobTimeout, WorkerDied
 from tests.support import encode, photo
-from tests.unit.test_pipeline import classifier
+from tests.unit.standins import stand_in_chain
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_process_pool_keeps_priority_order_and_its_queue_bound():
 def test_pipeline_on_processes_answers_422_decode_timeout_then_the_next_upload():
     """The decode-hang fault: 422 decode_timeout, the worker replaced, and the next upload answered."""
     settings = Settings(decode_timeout_ms=300, fault_decode_hang=True)
-    slow = classifier(settings, pool=decode_pool(settings))
+    slow = stand_in_chain(settings, pool=decode_pool(settings))
     try:
         data = encode(photo("chelsea"))
         with pytest.raises(errors.DecodeTimeout):
@@ -128,7 +128,7 @@ def test_an_interpreter_that_never_closes_its_pool_still_exits():
 
 
 def test_prepare_makes_only_the_primarys_input_and_the_fallbacks_when_asked():
-    plan = classifier(Settings()).plan
+    plan = stand_in_chain(Settings()).plan
     prepared = prepare(encode(photo("chelsea")), plan)
     shapes = lambda: {role: (bucket.name, pixels.shape, pixels.dtype.name)  # noqa: E731
                       for role, (bucket, pixels) in prepared.inputs.items()}
@@ -142,7 +142,7 @@ def test_prepare_makes_only_the_primarys_input_and_the_fallbacks_when_asked():
 
 def test_the_fallbacks_input_from_the_primarys_array_agrees_with_a_direct_fit():
     """The fallback's input made from the primary's array sees what a direct fit of the photo sees."""
-    plan = classifier(Settings()).plan
+    plan = stand_in_chain(Settings()).plan
     for name in ("chelsea", "coffee", "astronaut"):
         prepared = prepare(encode(photo(name)), plan)
         bucket, derived = model_input(prepared, "fallback", plan.buckets["fallback"])
@@ -153,7 +153,7 @@ def test_the_fallbacks_input_from_the_primarys_array_agrees_with_a_direct_fit():
 def test_a_shared_plan_goes_to_each_worker_once_and_again_to_a_replacement():
     pool = BoundedPool(workers=1, queue=4, processes=True, name="rampart-share")
     try:
-        plan = pool.share(classifier(Settings()).plan)
+        plan = pool.share(stand_in_chain(Settings()).plan)
         body = encode(photo("chelsea"))
         worker = pool._slots[0].process
         first = asyncio.run(pool.run(prepare, body, plan))

@@ -19,25 +19,17 @@ import re
 import shutil
 import subprocess
 
-import jsonschema
-import kubernetes_validate
 import pytest
 import yaml
 
 from rampart.config import ENV_PREFIX, Settings
 from tests.support import ROOT
+from tests.support.deploy import K8S, adapter_rules, container, deployment, load_all, one, scaled_object, validate
 
-K8S = ROOT / "deploy" / "k8s"
-KUBERNETES_VERSION = "1.37.0"
-KEDA_SCHEMA = K8S / "schemas" / "keda-scaledobject.schema.yaml"
 OVERLAYS = ("cpu", "gpu")
 #: Seconds the grace period must leave after the preStop sleep and the longest deadline,
 #: for the last answer to leave and the processes to exit.
 GRACE_MARGIN_S = 5
-
-
-def load_all(path) -> list[dict]:
-    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
 def manifest_files() -> list:
@@ -46,35 +38,6 @@ def manifest_files() -> list:
         p for p in K8S.rglob("*.yaml")
         if p.name != "kustomization.yaml" and not p.name.startswith("patch-") and "schemas" not in p.parts
     )
-
-
-def strict(schema):
-    """``schema`` with ``additionalProperties: false`` wherever it lists properties and does not
-    keep unknown fields, as a structural CRD schema is applied by ``kubectl --validate=strict``."""
-    if isinstance(schema, list):
-        return [strict(s) for s in schema]
-    if not isinstance(schema, dict):
-        return schema
-    out = {k: strict(v) for k, v in schema.items()}
-    if "properties" in schema and "additionalProperties" not in schema \
-            and not schema.get("x-kubernetes-preserve-unknown-fields"):
-        out["additionalProperties"] = False
-    return out
-
-
-KEDA_VALIDATOR = jsonschema.Draft7Validator(strict(yaml.safe_load(KEDA_SCHEMA.read_text())))
-
-
-def validate(doc: dict) -> None:
-    """Raise if ``doc`` is not a valid resource: KEDA objects against the ScaledObject schema, the rest strict."""
-    if doc["apiVersion"].startswith("keda.sh/"):
-        errors = sorted(KEDA_VALIDATOR.iter_errors(doc), key=lambda e: list(e.path))
-        assert not errors, [f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors]
-        return
-    try:
-        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
-    except kubernetes_validate.ValidationError as exc:
-        raise AssertionError(f"{doc['kind']}/{doc['metadata']['name']}: {exc.message} at {list(exc.path)}") from None
 
 
 def render(overlay: str) -> list[dict]:
@@ -86,31 +49,8 @@ def render(overlay: str) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(out.stdout) if doc]
 
 
-def one(docs: list[dict], kind: str) -> dict:
-    (doc,) = [d for d in docs if d["kind"] == kind]
-    return doc
-
-
-def container(deployment: dict) -> dict:
-    (rampart,) = deployment["spec"]["template"]["spec"]["containers"]
-    return rampart
-
-
 def env(deployment: dict) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container(deployment).get("env", [])}
-
-
-def deployment() -> dict:
-    return one(load_all(K8S / "base" / "deployment.yaml"), "Deployment")
-
-
-def scaled_object() -> dict:
-    return one(load_all(K8S / "autoscaling" / "keda" / "scaledobject.yaml"), "ScaledObject")
-
-
-def adapter_rules() -> list[dict]:
-    config_map = one(load_all(K8S / "autoscaling" / "hpa" / "prometheus-adapter-rules.yaml"), "ConfigMap")
-    return yaml.safe_load(config_map["data"]["config.yaml"])["externalRules"]
 
 
 @pytest.mark.parametrize("path", manifest_files(), ids=lambda p: str(p.relative_to(K8S)))

@@ -10,10 +10,9 @@ from rampart import errors
 from rampart.config import Settings
 from rampart.overload.admission import AdmissionGate, Shed, ThroughputMeter
 from rampart.overload.deadline import Deadline
-from rampart.inputs.pool import BoundedPool
 from rampart.pipeline import Classifier
 from tests.support import encode, photo
-from tests.unit.standins import StandIn
+from tests.unit.standins import StandIn, stand_in_classifier
 
 
 def gate(queue_delay_ms: float = 1) -> AdmissionGate:
@@ -108,8 +107,7 @@ def test_low_is_dispatched_a_quarter_batch_at_a_time_so_normal_is_dispatched_at_
 
 
 def classifier(primary: StandIn, fallback: StandIn, **settings) -> Classifier:
-    return Classifier(Settings(**settings), primary.endpoint("primary", 260), fallback.endpoint("fallback", 224),
-                      BoundedPool(2, 8))
+    return stand_in_classifier(Settings(**settings), primary, fallback)
 
 
 @pytest.mark.parametrize("routing", ["primary-first", "cascade"])

@@ -31,26 +31,12 @@ from rampart.api.app import refuse_before_admission
 from rampart.config import Settings
 from rampart.errors import BodyTimeout, EmptyBody, InvalidParameter, PayloadTooLarge, RampartError
 from tests.support import encode, photo
-from tests.unit.test_app import CAT, COFFEE, make_rig, rig  # noqa: F401 - fixtures: an app on stand-in models
+from tests.support.oip import DEADLINE_MS, HOSTILE, answer, bad_request, image_input, image_json, pixels_json, texts
+from tests.unit.standins import CAT, COFFEE
 
 OUTPUTS = (oip.LABELS, oip.SCORES, oip.CLASS_INDICES)
 #: The default settings' limits: 16 images, 20 MB each, 50 M pixels each.
 LIMITS = oip.Limits(max_images=16, max_image_bytes=20_000_000, max_pixels=50_000_000)
-#: Generous, so a loaded 2-core machine does not turn the comparisons into degraded answers.
-DEADLINE_MS = 5000
-
-
-def image_input(images: list[bytes], binary: bool) -> triton.InferInput:
-    """An ``IMAGE`` input: raw bytes in the binary extension, base64 strings in JSON."""
-    tensor = triton.InferInput(oip.IMAGE, [len(images)], "BYTES")
-    elements = images if binary else [base64.b64encode(image) for image in images]
-    tensor.set_data_from_numpy(np.array(elements, dtype=object), binary_data=binary)
-    return tensor
-
-
-def texts(array: np.ndarray) -> list:
-    """A BYTES output as nested lists of str (tritonclient gives bytes from binary data, str from JSON)."""
-    return [[v.decode() if isinstance(v, bytes) else v for v in row] for row in array.tolist()]
 
 
 def limits(**changes) -> oip.Limits:
@@ -98,10 +84,6 @@ def test_pixels_input_becomes_a_lossless_image(binary):
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(image)).convert("RGB")), pixels)
 
 
-def bad_request(header: dict) -> bytes:
-    return json.dumps(header).encode()
-
-
 @pytest.mark.parametrize("body, header_length, error", [
     (b"{not json", None, InvalidParameter),
     (bad_request({"inputs": "IMAGE"}), None, InvalidParameter),
@@ -130,13 +112,6 @@ def bad_request(header: dict) -> bytes:
 def test_malformed_requests_raise_rampart_errors(body, header_length, error):
     with pytest.raises(error):
         oip.parse_infer_request(body, header_length, limits(max_image_bytes=10))
-
-
-def answer(labels: list[tuple[int, str, float]], reason: str | None = None) -> dict:
-    return {"labels": [{"index": i, "label": n, "score": s} for i, n, s in labels], "degraded": reason is not None,
-            "degraded_reason": reason, "needs_review": not labels,
-            "model": {"name": "rampart-primary", "version": "v"} if labels else None,
-            "timings_ms": {"decode": 1.0, "queue": 2.0, "inference": 3.0, "total": 6.0}}
 
 
 @pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
@@ -193,56 +168,6 @@ def test_metadata_and_config_declare_the_same_tensors():
 
 # --- hostile bodies: every one a 4xx RampartError, never another exception ----------------------------
 
-def image_json(**changes) -> dict:
-    return {"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": ["eA=="], **changes}]}
-
-
-def pixels_json(**changes) -> dict:
-    return {"inputs": [{"name": "PIXELS", "datatype": "UINT8", "shape": [1, 1, 1, 3], "data": [1, 2, 3], **changes}]}
-
-
-def raw(text: str) -> bytes:
-    return text.encode()
-
-
-HOSTILE = {
-    "shape-1e300": (bad_request(image_json(shape=[1e300])), None),
-    "shape-30-digits": (raw('{"inputs":[{"name":"IMAGE","datatype":"BYTES","shape":[123456789012345678901234567890],'
-                            '"data":["eA=="]}]}'), None),
-    "shape-bool": (bad_request(image_json(shape=[True])), None),
-    "shape-infinity": (raw('{"inputs":[{"name":"IMAGE","datatype":"BYTES","shape":[Infinity],"data":["eA=="]}]}'), None),
-    "nan-parameter": (raw('{"inputs":[{"name":"IMAGE","datatype":"BYTES","shape":[1],"data":["eA=="]}],'
-                          '"parameters":{"deadline_ms":NaN}}'), None),
-    "pixel-1e300": (bad_request(pixels_json(data=[1e300, 0, 0])), None),
-    "pixel-30-digits": (raw('{"inputs":[{"name":"PIXELS","datatype":"UINT8","shape":[1,1,1,3],'
-                            '"data":[123456789012345678901234567890,0,0]}]}'), None),
-    "pixel-float": (bad_request(pixels_json(data=[1.5, 0, 0])), None),
-    "pixel-bool": (bad_request(pixels_json(data=[True, 0, 0])), None),
-    "pixel-negative": (bad_request(pixels_json(data=[-1, 0, 0])), None),
-    "pixel-ragged": (bad_request(pixels_json(data=[[1, 2], 3])), None),
-    "pixels-over-max-pixels": (bad_request(pixels_json(shape=[1, 60_000, 1_000, 3])), None),
-    "parameters-list": (bad_request({**image_json(), "parameters": [1, 2]}), None),
-    "parameters-string": (bad_request({**image_json(), "parameters": "top_k=3"}), None),
-    "tensor-parameters-list": (bad_request(image_json(parameters=[{"binary_data_size": 1}])), None),
-    "tensor-parameters-string": (bad_request(image_json(parameters="binary")), None),
-    "output-parameters-list": (bad_request({**image_json(), "outputs": [{"name": "LABELS", "parameters": [1]}]}), None),
-    "output-binary-data-string": (bad_request({**image_json(), "outputs": [{"name": "LABELS",
-                                                                            "parameters": {"binary_data": "yes"}}]}), None),
-    "binary-size-float": (bad_request(image_json(parameters={"binary_data_size": 1e300})), "60"),
-    "binary-size-bool": (bad_request(image_json(parameters={"binary_data_size": True})), None),
-    "id-object": (bad_request({**image_json(), "id": {"a": 1}}), None),
-    "top-k-1e300": (bad_request({**image_json(), "parameters": {"top_k": 1e300}}), None),
-    "data-nested-500": (raw('{"inputs":[{"name":"IMAGE","datatype":"BYTES","shape":[1],"data":'
-                            + "[" * 500 + '"eA=="' + "]" * 500 + "}]}"), None),
-    "data-nested-5000": (raw('{"inputs":[{"name":"IMAGE","datatype":"BYTES","shape":[1],"data":'
-                             + "[" * 5000 + "]" * 5000 + "}]}"), None),
-    "header-length-arabic-digits": (bad_request(image_json()), "\u0661\u0662"),
-    "header-length-superscript": (bad_request(image_json()), "\u00b2"),
-    "header-length-negative": (bad_request(image_json()), "-1"),
-    "header-length-huge": (bad_request(image_json()), "9" * 40),
-    "not-utf8": (b'{"inputs": "\xff\xfe"}', None),
-    "two-inputs": (bad_request({"inputs": image_json()["inputs"] * 2}), None),
-}
 
 
 def interpret(body: bytes, header_length: str | None) -> oip.InferRequest:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import functools
 
-import numpy as np
 import pytest
 from PIL import Image
 
@@ -13,31 +12,10 @@ from rampart import errors
 from rampart.inputs.buckets import buckets_for_resolution
 from rampart.config import Settings
 from rampart.overload.deadline import Deadline
-from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer
+from rampart.pipeline import Classifier, ModelEndpoint
 from rampart.inputs.pool import BoundedPool
 from tests.support import encode, photo
-
-LABELS = [f"class {i}" for i in range(1000)]
-
-
-def endpoint(name: str, resolution: int, best: int, fail: bool = False, delay_s: float = 0.0) -> ModelEndpoint:
-    """A model that answers class ``best`` with probability 0.9 (or raises when ``fail``)."""
-
-    async def call(bucket_name, pixels, deadline):
-        await asyncio.sleep(delay_s)
-        if fail:
-            raise RuntimeError(f"{name} is broken")
-        probs = np.full(1000, 0.1 / 999, dtype=np.float32)
-        probs[best] = 0.9
-        return RunnerAnswer(probs=probs, inference_ms=1.0, batch_size=1)
-
-    return ModelEndpoint(name, "v1", LABELS, buckets_for_resolution(resolution), call)
-
-
-def classifier(settings: Settings, pool: BoundedPool | None = None, **primary) -> Classifier:
-    return Classifier(settings, endpoint("primary", 260, 1, **primary), endpoint("fallback", 224, 2),
-                      pool or BoundedPool(2, 8))
-
+from tests.unit.standins import LABELS, StandIn, stand_in_chain
 
 @functools.lru_cache(maxsize=1)
 def big_png() -> bytes:
@@ -45,14 +23,14 @@ def big_png() -> bytes:
 
 
 def test_a_decode_running_past_its_limit_is_422_decode_timeout():
-    slow = classifier(Settings(decode_timeout_ms=1))
+    slow = stand_in_chain(Settings(decode_timeout_ms=1))
     with pytest.raises(errors.DecodeTimeout) as error:
         asyncio.run(slow.classify(big_png(), 5, Deadline(10_000)))
     assert error.value.status == 422
 
 
 def test_decode_capacity_exhausted_is_429_with_retry_after():
-    one_slot = classifier(Settings(), pool=BoundedPool(workers=1, queue=0))
+    one_slot = stand_in_chain(Settings(), pool=BoundedPool(workers=1, queue=0))
     data = big_png()
 
     async def two_at_once():
@@ -66,7 +44,7 @@ def test_decode_capacity_exhausted_is_429_with_retry_after():
 
 
 def test_chain_primary_error_then_fallback_then_cache():
-    chain = classifier(Settings(), fail=True)
+    chain = stand_in_chain(Settings(), fail=True)
     data = encode(photo("chelsea"))
     answer = asyncio.run(chain.classify(data, 3, Deadline(5_000)))
     assert answer["degraded_reason"] == "primary_error" and answer["labels"][0]["index"] == 2
@@ -74,7 +52,7 @@ def test_chain_primary_error_then_fallback_then_cache():
 
 
 def test_slow_primary_times_out_at_deadline_minus_reserve():
-    chain = classifier(Settings(), delay_s=5.0)
+    chain = stand_in_chain(Settings(), delay_s=5.0)
     answer = asyncio.run(chain.classify(encode(photo("coffee")), 3, Deadline(1_000, fallback_reserve_ms=300)))
     assert answer["degraded_reason"] == "primary_timeout" and answer["model"]["name"] == "fallback"
     assert answer["timings_ms"]["total"] < 1_000
@@ -95,7 +73,7 @@ class RankRecordingPool(BoundedPool):
 def test_an_upload_the_primary_took_decodes_before_one_sent_to_the_fallback():
     """The primary keeps its capacity under overload: the decoders must feed the primary first."""
     pool = RankRecordingPool()
-    service = classifier(Settings(), pool=pool)
+    service = stand_in_chain(Settings(), pool=pool)
     data = encode(photo("chelsea"))
     assert asyncio.run(service.classify(data, 1, Deadline(10_000)))["degraded_reason"] is None
     held = []
@@ -106,9 +84,10 @@ def test_an_upload_the_primary_took_decodes_before_one_sent_to_the_fallback():
 
 
 def recording_endpoint(name: str, resolution: int, best: int, fail: bool = False) -> tuple[ModelEndpoint, list]:
-    """``endpoint`` that also records the (bucket name, pixel shape) of every call."""
+    """A ``StandIn`` answering class ``best`` (raising when ``fail``) that also records the (bucket name, pixel shape) of every call."""
     calls: list = []
-    inner = endpoint(name, resolution, best, fail)
+    inner = StandIn(best)
+    inner.mode = "error" if fail else "ok"
 
     async def call(bucket_name, pixels, deadline):
         calls.append((bucket_name, pixels.shape))

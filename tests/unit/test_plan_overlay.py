@@ -10,7 +10,7 @@ import yaml
 
 from rampart.config import Settings
 from rampart.plan.planner import plan, plot, write_overlay
-from tests.unit.test_deploy import validate
+from tests.support.deploy import validate
 
 MEASURED = {
     "service_ms": 120.0,

@@ -4,7 +4,7 @@ Unit tests drive ``rampart.api.http.read_multipart`` with real Starlette request
 body arrives in chunks, and ``rampart.api.routing`` on a Starlette app shaped like
 BentoML's (its routes first, Rampart's app on a ``PassiveMount``, a static-file
 mount). The end-to-end tests are in ``tests/server/test_request_bounds.py``; there
-nothing asserts a wall-clock time except the liveness budget (``LIVEZ_BUDGET_MS``, the
+nothing asserts a wall-clock time except the liveness budget (``tests.support.bounds.LIVEZ_BUDGET_MS``, the
 request bounds' contract); a part bomb is "fast" next to a plain upload of the same size, in
 the same run.
 """
@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-import httpx
 import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -30,27 +29,8 @@ from rampart.api import http
 from rampart.overload.deadline import Deadline
 from rampart.api.headlimit import HeadLimitedProtocol
 from rampart.api.routing import JSONRouteErrors, route_template
+from tests.support.bounds import EMPTY_PARTS_BOMB, MULTIPART, TINY_IMAGES_BOMB, form, json_error
 
-#: /livez must answer within this while part bombs are parsed (the request bounds' contract).
-LIVEZ_BUDGET_MS = 100
-#: A part bomb is refused in at most this multiple of the time a plain upload of the same size takes.
-BOMB_TO_UPLOAD_RATIO = 3.0
-
-
-def form(parts: list[tuple[str, str | None, bytes]], boundary: bytes = b"B") -> bytes:
-    """A multipart/form-data body of ``(name, filename or None, data)`` parts."""
-    out = []
-    for name, filename, data in parts:
-        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
-        out.append(b"--" + boundary + b"\r\nContent-Disposition: " + disposition.encode() + b"\r\n\r\n" + data + b"\r\n")
-    return b"".join(out) + b"--" + boundary + b"--\r\n"
-
-
-#: 2 million empty parts, 18 MB: under the /classify byte cap.
-EMPTY_PARTS_BOMB = b"--B\r\n\r\n\r\n" * 2_000_000 + b"--B--\r\n"
-#: 100,000 tiny image parts, 7.5 MB.
-TINY_IMAGES_BOMB = form([("images", str(i), b"x") for i in range(100_000)])
-MULTIPART = {"Content-Type": "multipart/form-data; boundary=B"}
 
 
 class ChunkedRequest:
@@ -132,14 +112,6 @@ def test_multipart_parser_yields_to_the_event_loop_between_slices():
     ticks, size = asyncio.run(parse_while_ticking())
     assert size == 6 * 300_000
     assert ticks >= len(body) // http.PARSE_SLICE_BYTES - 1
-
-
-def json_error(response: httpx.Response, status: int, code: str) -> dict:
-    assert response.status_code == status, (response.status_code, response.text[:300])
-    assert response.headers["content-type"].startswith("application/json")
-    body = response.json()["error"]
-    assert body["code"] == code and body["message"] and body["request_id"], body
-    return body
 
 
 @pytest.fixture(scope="module")

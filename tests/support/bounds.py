@@ -1,0 +1,42 @@
+"""Request-bound cases the in-process and server tests share: the liveness budget and bomb ratio of the
+request bounds' contract, multipart bodies and part bombs, and the check of a JSON error answer."""
+
+from __future__ import annotations
+
+import httpx
+
+
+#: /livez must answer within this while part bombs are parsed (the request bounds' contract).
+LIVEZ_BUDGET_MS = 100
+
+
+#: A part bomb is refused in at most this multiple of the time a plain upload of the same size takes.
+BOMB_TO_UPLOAD_RATIO = 3.0
+
+
+def form(parts: list[tuple[str, str | None, bytes]], boundary: bytes = b"B") -> bytes:
+    """A multipart/form-data body of ``(name, filename or None, data)`` parts."""
+    out = []
+    for name, filename, data in parts:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename else "")
+        out.append(b"--" + boundary + b"\r\nContent-Disposition: " + disposition.encode() + b"\r\n\r\n" + data + b"\r\n")
+    return b"".join(out) + b"--" + boundary + b"--\r\n"
+
+
+#: 2 million empty parts, 18 MB: under the /classify byte cap.
+EMPTY_PARTS_BOMB = b"--B\r\n\r\n\r\n" * 2_000_000 + b"--B--\r\n"
+
+
+#: 100,000 tiny image parts, 7.5 MB.
+TINY_IMAGES_BOMB = form([("images", str(i), b"x") for i in range(100_000)])
+
+
+MULTIPART = {"Content-Type": "multipart/form-data; boundary=B"}
+
+
+def json_error(response: httpx.Response, status: int, code: str) -> dict:
+    assert response.status_code == status, (response.status_code, response.text[:300])
+    assert response.headers["content-type"].startswith("application/json")
+    body = response.json()["error"]
+    assert body["code"] == code and body["message"] and body["request_id"], body
+    return body
