@@ -27,7 +27,6 @@ from tests.support import ROOT, encode, photo
 from tests.support.shedding import Arrival, SheddingServer
 
 
-
 @pytest.fixture
 def serve():
     servers: list[SheddingServer] = []

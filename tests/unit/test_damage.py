@@ -33,8 +33,6 @@ from tests.support.decoding import LIMITS, png_chunk
 from tests.unit.standins import stand_in_chain
 
 
-
-
 @functools.lru_cache(maxsize=None)
 def undamaged_pixels(name: str) -> tuple[tuple[int, int], bytes]:
     """Size and RGB bytes of ``original(name)`` as Rampart decodes it."""

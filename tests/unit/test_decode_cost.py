@@ -17,7 +17,6 @@ from tests.support.bombs import BOMBS, SETTINGS
 from tests.support.decoding import LIMITS
 
 
-
 @pytest.mark.parametrize("name", sorted(BOMBS))
 def test_each_bomb_is_refused_from_its_headers(name):
     data, error = BOMBS[name]

@@ -16,7 +16,6 @@ from tests.support import encode, photo
 from tests.support.decoding import LIMITS, png_bomb
 
 
-
 @pytest.mark.parametrize("fmt", ["JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF"])
 def test_every_supported_format_decodes_to_rgb(fmt):
     decoded = decode_image(encode(photo("chelsea"), fmt), LIMITS)

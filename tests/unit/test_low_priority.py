@@ -146,7 +146,6 @@ def test_a_low_request_has_no_room_when_only_the_fallback_has():
     assert error.value.retry_after_s == pipeline.primary.gate.retry_after_s()  # the primary's own drain time
 
 
-
 def test_open_inference_protocol_priority_3_is_low_and_4_is_refused():
     from rampart.api import oip
 

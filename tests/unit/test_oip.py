@@ -169,7 +169,6 @@ def test_metadata_and_config_declare_the_same_tensors():
 # --- hostile bodies: every one a 4xx RampartError, never another exception ----------------------------
 
 
-
 def interpret(body: bytes, header_length: str | None) -> oip.InferRequest:
     """What ``/infer`` does with a body before classifying: parse it, then read its parameters."""
     parsed = oip.parse_infer_request(body, header_length, LIMITS)

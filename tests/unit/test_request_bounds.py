@@ -32,7 +32,6 @@ from rampart.api.routing import JSONRouteErrors, route_template
 from tests.support.bounds import EMPTY_PARTS_BOMB, MULTIPART, TINY_IMAGES_BOMB, form, json_error
 
 
-
 class ChunkedRequest:
     """A real Starlette ``Request`` whose body arrives in ``chunk_size`` pieces; counts the pieces read."""
 
