@@ -15,7 +15,8 @@ capacity latency-bound to see the load balancer's effect). For the same reason t
 run with ``RAMPART_CPU_PINNING=off`` unless the environment says otherwise: each would
 reserve the same cores for its primary (``rampart.cores``).
 
-``Replica``, ``Nginx`` and ``Cluster`` are also what the tests drive.
+``Replica``, ``Nginx`` and ``Cluster`` are also what the tests drive. ``Replica`` is a
+``bench.harness.Server``: the benchmarks' harness holds the one launcher of every server.
 """
 
 from __future__ import annotations
