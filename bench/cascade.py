@@ -13,7 +13,6 @@ which measures the primary-first arm on its own Rampart.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness import SLO_MS, Service, Sizes, machine, ratio
+from bench.harness import SLO_MS, Service, Sizes, machine, ratio, scenario_parser
 from bench.ramp import FULL_KNEE_DEGRADED_RATE, knee, ramp
 
 __all__ = ["AGREEMENT_DEADLINE_MS", "scenario_bodies", "answers_one_at_a_time", "cascade_arm", "cascade_scenario",
@@ -123,11 +122,7 @@ def run(out: Path, quick: bool, command: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.cascade", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
-    parser.add_argument("--quick", action="store_true", help="24 images, tiny steps: proves the command")
-    args = parser.parse_args(argv)
+    args = scenario_parser("python -m bench.cascade", __doc__, quick_help="24 images, tiny steps: proves the command").parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     return run(args.out, args.quick, "python -m bench.cascade" + (" --quick" if args.quick else ""))
 

@@ -50,7 +50,6 @@ workers' separate admission gates (docs/overload.md) cannot have shaped.
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import os
@@ -61,7 +60,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import ServerCpu, Service, machine, private_bentoml_home, ratio
+from bench.harness import ServerCpu, Service, machine, private_bentoml_home, ratio, scenario_parser
 from bench.loadgen import closed_loop_round, run_sync
 
 __all__ = ["NEAR_FREE_NAME", "near_free_onnx", "phone_jpeg", "small_png", "start_import", "finish_import", "grouped",
@@ -421,12 +420,8 @@ def run(out: Path, quick: bool, command: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.ceiling [--out bench_results] [--quick]`` (also ``python -m bench.load_bench --ceiling-only``)."""
-    parser = argparse.ArgumentParser(prog="python -m bench.ceiling", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
-    parser.add_argument("--quick", action="store_true",
-                        help="Rampart with 2 API workers and the naive baseline only, 1 s rounds: proves the command")
-    args = parser.parse_args(argv)
+    args = scenario_parser("python -m bench.ceiling", __doc__, quick_help="Rampart with 2 API workers and the naive "
+                           "baseline only, 1 s rounds: proves the command").parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     return run(args.out, args.quick, "python -m bench.ceiling" + (" --quick" if args.quick else ""))
 

@@ -9,14 +9,13 @@ plus start-up. Also step 4 of ``python -m bench.load_bench``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 import httpx
 
-from bench.harness import SLO_MS, Service, Sizes, machine
+from bench.harness import SLO_MS, Service, Sizes, machine, scenario_parser
 from bench.loadgen import load_bodies, sweep
 
 __all__ = ["closed_loop_sweep", "main"]
@@ -47,11 +46,9 @@ def closed_loop_sweep(out: Path, connections: tuple[int, ...], round_s: float, c
 
 def main(argv: list[str] | None = None) -> int:
     """The sweep with ``bench.harness.Sizes`` (``--quick``: 1 and 4 connections, 2 s rounds)."""
-    parser = argparse.ArgumentParser(prog="python -m bench.closed_loop", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    parser = scenario_parser("python -m bench.closed_loop", __doc__,
+                             quick_help="tiny rounds: proves the command, measures little")
     parser.add_argument("--sweep-client", choices=("aiohttp", "httpx"), default="aiohttp")
-    parser.add_argument("--quick", action="store_true", help="tiny rounds: proves the command, measures little")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = Sizes.of(args.quick)

@@ -18,6 +18,7 @@ This module imports no scenario: each scenario (``python -m bench.<name>``, docs
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import signal
@@ -37,7 +38,8 @@ from bench.loadgen import oip_request
 from bench.process_cpu import ROLES, ServerCpu, process_role, server_processes
 
 __all__ = ["ROOT", "BIN", "SLO_MS", "STOP_TIMEOUT_S", "Sizes", "private_bentoml_home", "free_port",
-           "stop_process_group", "signal_tree", "stop_tree", "Server", "Service", "machine", "ratio",
+           "stop_process_group", "signal_tree", "stop_tree", "Server", "Service", "measure_service", "scenario_parser",
+           "machine", "ratio",
            "ROLES", "ServerCpu", "process_role", "server_processes"]
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -182,6 +184,23 @@ class Server:
         """The last 5000 characters of the server's log."""
         return self.log_path.read_text(errors="replace")[-5000:]
 
+    def wait_until(self, ready: Callable[[], bool], timeout_s: float, interval_s: float, what: str,
+                   detail: Callable[[], str] = str) -> None:
+        """Call ``ready()`` every ``interval_s`` s until it is true (an ``httpx.HTTPError`` counts as not yet);
+        raise ``RuntimeError`` naming ``what`` (with ``detail()`` after it) if the server exits first or
+        ``timeout_s`` s pass."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{what} exited with {self.process.returncode}{detail()}")
+            try:
+                if ready():
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(interval_s)
+        raise RuntimeError(f"{what} not ready after {timeout_s} s{detail()}")
+
     def stop_group(self) -> None:
         """SIGTERM the server's process group; SIGKILL it after 30 s (``stop_process_group``)."""
         stop_process_group(self.process)
@@ -233,33 +252,51 @@ class Service(Server):
         self.oip = name == "triton"  # an Open Inference Protocol /infer URL (bench.loadgen.oip_request)
 
     def wait_ready(self, bodies: list[bytes], timeout_s: float = 300) -> None:
-        """Ready when BentoML's ``/readyz`` says so (runners warmed up), then one real request is answered 200."""
-        deadline = time.monotonic() + timeout_s
+        """Ready when BentoML's ``/readyz`` says so (runners warmed up), then one real request (``bodies[0]``)
+        is answered 200; raises ``RuntimeError`` if the service exits first or ``timeout_s`` s pass."""
         base = self.url.rsplit("/", 1)[0]
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.process.returncode}")
-            try:
-                if self.name in ("rampart", "plain_bentoml") and httpx.get(f"{base}/readyz", timeout=5).status_code != 200:
-                    time.sleep(0.25)
-                    continue
-                if self.oip:
-                    body, headers = oip_request(bodies[0])
-                    response = httpx.post(self.url, content=body, headers=headers, timeout=30)
-                elif self.form_field:
-                    response = httpx.post(self.url, files={self.form_field: ("a.jpg", bodies[0], "image/jpeg")}, timeout=30)
-                else:
-                    response = httpx.post(self.url, content=bodies[0], timeout=30)
-                if response.status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"{self.name} not ready after {timeout_s} s")
+
+        def ready() -> bool:
+            if self.name in ("rampart", "plain_bentoml") and httpx.get(f"{base}/readyz", timeout=5).status_code != 200:
+                return False
+            if self.oip:
+                body, headers = oip_request(bodies[0])
+                response = httpx.post(self.url, content=body, headers=headers, timeout=30)
+            elif self.form_field:
+                response = httpx.post(self.url, files={self.form_field: ("a.jpg", bodies[0], "image/jpeg")}, timeout=30)
+            else:
+                response = httpx.post(self.url, content=bodies[0], timeout=30)
+            return response.status_code == 200
+
+        self.wait_until(ready, timeout_s, 0.25, self.name)
 
     def stop(self) -> None:
         """Stop the service by its process group (``Server.stop_group``)."""
         self.stop_group()
+
+
+def measure_service(name: str, out: Path, bodies: list[bytes], measure: Callable[[Service], dict]) -> dict:
+    """Start ``Service(name, out)``, wait until it answers ``bodies[0]``, return ``measure(service)``; the service
+    is stopped whatever happens."""
+    service = Service(name, out)
+    try:
+        service.wait_ready(bodies)
+        return measure(service)
+    finally:
+        service.stop()
+
+
+def scenario_parser(prog: str, description: str, service: bool = False,
+                    quick_help: str = "tiny steps: proves the command, measures little") -> argparse.ArgumentParser:
+    """The command line every scenario shares: ``--out`` (default ``bench_results``), ``--quick`` and, with
+    ``service``, ``--service`` (one of ``Service.COMMANDS``, default ``rampart``)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("bench_results"))
+    if service:
+        parser.add_argument("--service", choices=tuple(Service.COMMANDS), default="rampart")
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+    return parser
 
 
 def machine() -> dict:

@@ -11,12 +11,11 @@ knee that ran. Also step 7 of ``python -m bench.load_bench``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
-from bench.harness import SLO_MS, Service, Sizes, machine, ratio
+from bench.harness import SLO_MS, Service, Sizes, machine, measure_service, ratio, scenario_parser
 from bench.loadgen import closed_loop, load_bodies, run_sync, summarize
 from bench.peers import skipped_peer
 from bench.ramp import ramp
@@ -69,18 +68,16 @@ def knee_comparison(out: Path, batch_sizes: list[int], repeats: int, clients: li
     bodies = load_bodies()
     results: dict = {"machine": machine(), "slo_ms": SLO_MS, "command": command,
                      "raw_ceiling_ips": raw_ceiling(batch_sizes, repeats)}
+    def measure(service: Service) -> dict:
+        measured = {"ramp": ramp(service, bodies, clients, step_s)}
+        if service.name == "rampart":
+            measured["cpu_budget"] = budget_step(service, bodies, measured["ramp"]["primary_knee"]["clients"], budget_s)
+        return measured
+
     for name in Service.COMMANDS:
         if skipped_peer(name, results):
             continue
-        service = Service(name, out)
-        try:
-            service.wait_ready(bodies)
-            results[name] = {"ramp": ramp(service, bodies, clients, step_s)}
-            if name == "rampart":
-                results[name]["cpu_budget"] = budget_step(service, bodies, results[name]["ramp"]["primary_knee"]["clients"],
-                                                          budget_s)
-        finally:
-            service.stop()
+        results[name] = measure_service(name, out, bodies, measure)
         print(name, json.dumps(results[name]["ramp"]["primary_knee"]), flush=True)
     results["knee_ratios"] = knee_ratios(results)
     (out / "knee.json").write_text(json.dumps(results, indent=2))
@@ -96,11 +93,7 @@ def run(out: Path, quick: bool, command: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.knee_budget", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
-    parser.add_argument("--quick", action="store_true", help="tiny steps: proves the command, measures little")
-    args = parser.parse_args(argv)
+    args = scenario_parser("python -m bench.knee_budget", __doc__).parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     return run(args.out, args.quick, "python -m bench.knee_budget" + (" --quick" if args.quick else ""))
 

@@ -10,14 +10,12 @@ request answered within the SLO) before the next. Also step 3 of ``python -m ben
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from bench.harness import SLO_MS, Service, Sizes, machine
+from bench.harness import SLO_MS, Service, Sizes, machine, measure_service, scenario_parser
 from bench.loadgen import closed_loop, load_bodies, open_loop, run_sync, summarize
 from bench.ramp import ramp
 
@@ -63,20 +61,11 @@ def ramp_and_overload(service: Service, bodies: list[bytes], sizes: Sizes, facto
 
 def main(argv: list[str] | None = None) -> int:
     """Ramp then overload one service (``--service``); writes ``overload.json``."""
-    parser = argparse.ArgumentParser(prog="python -m bench.overload", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
-    parser.add_argument("--service", choices=tuple(Service.COMMANDS), default="rampart")
-    parser.add_argument("--quick", action="store_true", help="tiny steps: proves the command, measures little")
-    args = parser.parse_args(argv)
+    args = scenario_parser("python -m bench.overload", __doc__, service=True).parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     sizes, bodies = Sizes.of(args.quick), load_bodies()
-    service = Service(args.service, args.out)
-    try:
-        service.wait_ready(bodies)
-        result = ramp_and_overload(service, bodies, sizes, sizes.factors)
-    finally:
-        service.stop()
+    result = measure_service(args.service, args.out, bodies,
+                             lambda service: ramp_and_overload(service, bodies, sizes, sizes.factors))
     report = {"machine": machine(), "slo_ms": SLO_MS, "service": args.service,
               "command": "python -m bench.overload " + " ".join(argv if argv is not None else sys.argv[1:]), **result}
     (args.out / "overload.json").write_text(json.dumps(report, indent=2))

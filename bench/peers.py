@@ -13,13 +13,12 @@ baselines of step 5 of ``python -m bench.load_bench``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 from bench.baselines import triton_pytriton
-from bench.harness import SLO_MS, Service, Sizes, machine, ratio
+from bench.harness import SLO_MS, Sizes, machine, measure_service, ratio, scenario_parser
 from bench.loadgen import load_bodies
 from bench.overload import ramp_and_overload
 
@@ -67,22 +66,14 @@ def run(out: Path, quick: bool, command: str) -> int:
     for name in ("naive", *PEERS):
         if skipped_peer(name, results):
             continue
-        service = Service(name, out)
-        try:
-            service.wait_ready(bodies)
-            results[name] = ramp_and_overload(service, bodies, sizes, [5.0])
-        finally:
-            service.stop()
+        results[name] = measure_service(name, out, bodies,
+                                        lambda service: ramp_and_overload(service, bodies, sizes, [5.0]))
         print(name, json.dumps(results[name]["ramp"]["knee"]), flush=True)
     return peers_report(results, out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.peers", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
-    parser.add_argument("--quick", action="store_true", help="tiny steps: proves the command, measures little")
-    args = parser.parse_args(argv)
+    args = scenario_parser("python -m bench.peers", __doc__).parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     return run(args.out, args.quick, "python -m bench.peers" + (" --quick" if args.quick else ""))
 

@@ -11,12 +11,10 @@ of ``python -m bench.load_bench``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from pathlib import Path
 
-from bench.harness import SLO_MS, Service, Sizes, machine
+from bench.harness import SLO_MS, Service, Sizes, machine, measure_service, scenario_parser
 from bench.loadgen import closed_loop, load_bodies, run_sync, summarize
 
 __all__ = ["FULL_KNEE_DEGRADED_RATE", "ramp", "knee", "primary_knee", "main"]
@@ -58,20 +56,11 @@ def knee(steps: list[dict], max_degraded_rate: float = 1.0) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Ramp one service (``--service``, one of ``bench.harness.Service.COMMANDS``); writes ``ramp.json``."""
-    parser = argparse.ArgumentParser(prog="python -m bench.ramp", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
-    parser.add_argument("--service", choices=tuple(Service.COMMANDS), default="rampart")
-    parser.add_argument("--quick", action="store_true", help="tiny steps: proves the command, measures little")
-    args = parser.parse_args(argv)
+    args = scenario_parser("python -m bench.ramp", __doc__, service=True).parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     sizes, bodies = Sizes.of(args.quick), load_bodies()
-    service = Service(args.service, args.out)
-    try:
-        service.wait_ready(bodies)
-        result = ramp(service, bodies, sizes.clients, sizes.step_s)
-    finally:
-        service.stop()
+    result = measure_service(args.service, args.out, bodies,
+                             lambda service: ramp(service, bodies, sizes.clients, sizes.step_s))
     report = {"machine": machine(), "slo_ms": SLO_MS, "service": args.service,
               "command": "python -m bench.ramp " + " ".join(argv if argv is not None else sys.argv[1:]), **result}
     (args.out / "ramp.json").write_text(json.dumps(report, indent=2))

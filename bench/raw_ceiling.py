@@ -7,15 +7,13 @@ square bucket, in this process, no serving: the machine's physical limit. Also s
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-from bench.harness import Sizes, machine
+from bench.harness import Sizes, machine, scenario_parser
 
 __all__ = ["raw_ceiling", "main"]
 
@@ -46,11 +44,8 @@ def raw_ceiling(batch_sizes: list[int], repeats: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     """Measure both engines' raw ceiling; writes ``raw_ceiling.json``."""
-    parser = argparse.ArgumentParser(prog="python -m bench.raw_ceiling", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path("bench_results"))
-    parser.add_argument("--quick", action="store_true", help="two batch sizes, one repeat: proves the command")
-    args = parser.parse_args(argv)
+    args = scenario_parser("python -m bench.raw_ceiling", __doc__,
+                           quick_help="two batch sizes, one repeat: proves the command").parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     sizes = Sizes.of(args.quick)
     report = {"machine": machine(), "command": "python -m bench.raw_ceiling" + (" --quick" if args.quick else ""),

@@ -60,18 +60,10 @@ class Replica(Server):
         self.url = f"http://127.0.0.1:{self.port}"
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Block until ``/readyz`` is 200 (both runners warm); raise ``RuntimeError`` if it exits or times out."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"replica {self.name} exited with {self.process.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"replica {self.name} not ready after {timeout_s} s:\n{self.log()}")
+        """Block until ``/readyz`` is 200 (both runners warm); raise ``RuntimeError`` (with the log's end) if it
+        exits or times out."""
+        self.wait_until(lambda: httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200, timeout_s, 0.5,
+                        f"replica {self.name}", lambda: f":\n{self.log()}")
 
     def kill(self) -> None:
         """SIGKILL every process of the replica at once: a crashed host (``Server.kill_tree``)."""
