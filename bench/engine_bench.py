@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overload-s", type=float, default=20.0, help="duration of the 5x open-loop overload (s)")
     parser.add_argument("--arena-ab", action="store_true", help="also time the ONNX models with the arena on and off")
     args = parser.parse_args(argv)
-    from deploy.cluster import Replica
+    from bench.harness import Replica
 
     env = dict(item.split("=", 1) for item in args.env)
     results: dict = {"command": "python -m bench.engine_bench " + " ".join(argv if argv is not None else

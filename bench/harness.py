@@ -7,7 +7,8 @@ wait for and stop a server, and how they read its CPU.
   (``stop_group``, ``kill_group``) or by process tree (``stop_tree``, ``kill_tree``).
 - ``Service``: a service under test of the benchmarks (Rampart, the naive and plain BentoML
   baselines, the Triton peer), ready once a real request is answered; ``url`` is its classify endpoint.
-  ``deploy.cluster.Replica`` is the other kind: a Rampart replica, ready when ``/readyz`` is 200.
+- ``Replica``: ``bentoml serve service:Rampart`` ready when ``/readyz`` is 200, stopped by process tree:
+  the loopback cluster's replicas (``deploy.cluster``) and the server tests' servers.
 - CPU by process role: ``ServerCpu``, ``server_processes`` and ``process_role`` of ``bench.process_cpu``.
 - ``machine()`` (the host a report was measured on), ``SLO_MS`` (the benchmarks' deadline) and
   ``Sizes`` (the step sizes of the load benchmark's scenarios, full or ``--quick``).
@@ -37,8 +38,8 @@ from bench.baselines import triton_pytriton
 from bench.loadgen import oip_request
 from bench.process_cpu import ROLES, ServerCpu, process_role, server_processes
 
-__all__ = ["ROOT", "BIN", "SLO_MS", "STOP_TIMEOUT_S", "Sizes", "private_bentoml_home", "free_port",
-           "stop_process_group", "signal_tree", "stop_tree", "Server", "Service", "measure_service", "scenario_parser",
+__all__ = ["ROOT", "BIN", "SLO_MS", "START_TIMEOUT_S", "STOP_TIMEOUT_S", "Sizes", "private_bentoml_home", "free_port",
+           "stop_process_group", "signal_tree", "stop_tree", "Server", "Service", "Replica", "measure_service", "scenario_parser",
            "machine", "ratio",
            "ROLES", "ServerCpu", "process_role", "server_processes"]
 
@@ -47,6 +48,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 #: The benchmarks' deadline and P99 target, ms: every request's ``X-Deadline-Ms`` and the knee rule's bound.
 SLO_MS = 1000.0
+#: How long ``Replica.wait_ready`` waits for ``/readyz`` by default, s.
+START_TIMEOUT_S = 300
 #: How long ``stop_tree`` waits for a server's tree to go, s: a drain lasts at most the longest deadline
 #: (60 s), plus margin.
 STOP_TIMEOUT_S = 90
@@ -297,6 +300,34 @@ def scenario_parser(prog: str, description: str, service: bool = False,
         parser.add_argument("--service", choices=tuple(Service.COMMANDS), default="rampart")
     parser.add_argument("--quick", action="store_true", help=quick_help)
     return parser
+
+
+class Replica(Server):
+    """One ``bentoml serve service:Rampart`` on 127.0.0.1:``port`` with its own BENTOML_HOME under ``run_dir``
+    (its log, ``run_dir/<name>.log``, is appended to): a replica of the loopback cluster (``deploy.cluster``)
+    and every real server of the server tests (tests/server/conftest.py).
+
+    ``env`` is added to this process's environment. Started at once; ``wait_ready`` blocks.
+    """
+
+    def __init__(self, name: str, run_dir: Path, env: dict[str, str] | None = None, port: int | None = None) -> None:
+        super().__init__(name, _bentoml_serve("service:Rampart"), run_dir / f"{name}.log", env,
+                         home=run_dir / f"{name}-home", port=port, append=True)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Block until ``/readyz`` is 200 (both runners warm); raise ``RuntimeError`` (with the log's end) if it
+        exits or times out."""
+        self.wait_until(lambda: httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200, timeout_s, 0.5,
+                        f"replica {self.name}", lambda: f":\n{self.log()}")
+
+    def kill(self) -> None:
+        """SIGKILL every process of the replica at once: a crashed host (``Server.kill_tree``)."""
+        self.kill_tree()
+
+    def stop(self) -> None:
+        """SIGTERM ``bentoml serve`` alone and wait for its tree to go (``Server.stop_tree``)."""
+        self.stop_tree()
 
 
 def machine() -> dict:

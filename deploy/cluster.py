@@ -15,8 +15,8 @@ capacity latency-bound to see the load balancer's effect). For the same reason t
 run with ``RAMPART_CPU_PINNING=off`` unless the environment says otherwise: each would
 reserve the same cores for its primary (``rampart.cores``).
 
-``Replica``, ``Nginx`` and ``Cluster`` are also what the tests drive. ``Replica`` is a
-``bench.harness.Server``: the benchmarks' harness holds the one launcher of every server.
+``Nginx`` and ``Cluster`` are also what the tests drive; each replica is a ``bench.harness.Replica``
+(the harness holds the one launcher of every server).
 """
 
 from __future__ import annotations
@@ -32,46 +32,17 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness import STOP_TIMEOUT_S, Server, stop_tree
+from bench.harness import Replica, stop_tree
 
-__all__ = ["Replica", "Nginx", "Cluster", "nginx_binary", "stop_saved", "main", "START_TIMEOUT_S", "STOP_TIMEOUT_S"]
+__all__ = ["Nginx", "Cluster", "nginx_binary", "stop_saved", "main"]
 
 ROOT = Path(__file__).resolve().parent.parent
 TEMPLATE = Path(__file__).with_name("nginx") / "nginx.conf.template"
-BENTOML = str(Path(sys.executable).with_name("bentoml"))
-START_TIMEOUT_S = 300
 
 
 def nginx_binary() -> str | None:
     """Path of the nginx executable (Debian puts it in /usr/sbin, often not on a user's PATH), or None."""
     return shutil.which("nginx") or next((p for p in ("/usr/sbin/nginx",) if os.access(p, os.X_OK)), None)
-
-
-class Replica(Server):
-    """One ``bentoml serve service:Rampart`` on 127.0.0.1:``port`` with its own BENTOML_HOME under ``run_dir``
-    (``bench.harness.Server``; its log, ``run_dir/<name>.log``, is appended to).
-
-    ``env`` is added to this process's environment. Started at once; ``wait_ready`` blocks.
-    """
-
-    def __init__(self, name: str, run_dir: Path, env: dict[str, str] | None = None, port: int | None = None) -> None:
-        super().__init__(name, lambda port: [BENTOML, "serve", "service:Rampart", "--host", "127.0.0.1", "--port", str(port)],
-                         run_dir / f"{name}.log", env, home=run_dir / f"{name}-home", port=port, append=True)
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
-        """Block until ``/readyz`` is 200 (both runners warm); raise ``RuntimeError`` (with the log's end) if it
-        exits or times out."""
-        self.wait_until(lambda: httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200, timeout_s, 0.5,
-                        f"replica {self.name}", lambda: f":\n{self.log()}")
-
-    def kill(self) -> None:
-        """SIGKILL every process of the replica at once: a crashed host (``Server.kill_tree``)."""
-        self.kill_tree()
-
-    def stop(self) -> None:
-        """SIGTERM ``bentoml serve`` alone and wait for its tree to go (``Server.stop_tree``)."""
-        self.stop_tree()
 
 
 class Nginx:

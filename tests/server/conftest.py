@@ -1,11 +1,11 @@
-"""Real ``bentoml serve`` servers on 127.0.0.1 (``deploy.cluster.Replica``), each stopped when its scope ends."""
+"""Real ``bentoml serve`` servers on 127.0.0.1 (``bench.harness.Replica``), each stopped when its scope ends."""
 
 from __future__ import annotations
 
 import httpx
 import pytest
 
-from deploy.cluster import Replica
+from bench.harness import Replica
 
 
 def launch(tmp_path_factory, env: dict[str, str]) -> Replica:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from rampart.api.lifecycle import RUNNER_EXIT_MARGIN_S
-from deploy.cluster import START_TIMEOUT_S, Replica
+from bench.harness import START_TIMEOUT_S, Replica
 from tests.support import PHOTOS, SLACK_MS, encode, photo
 
 MAX_DEADLINE_MS = 6000

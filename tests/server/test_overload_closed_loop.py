@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from bench.loadgen import burst, closed_loop_round, load_bodies, run_sync
-from deploy.cluster import Replica
+from bench.harness import Replica
 from tests.support import SLACK_MS, encode, photo
 
 DEADLINE_MS = 1000
