@@ -122,6 +122,7 @@ def run(out: Path, quick: bool, command: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.cascade [--out DIR] [--quick]``: ``run`` with this command recorded."""
     args = scenario_parser("python -m bench.cascade", __doc__, quick_help="24 images, tiny steps: proves the command").parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     return run(args.out, args.quick, "python -m bench.cascade" + (" --quick" if args.quick else ""))

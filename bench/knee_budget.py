@@ -93,6 +93,7 @@ def run(out: Path, quick: bool, command: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.knee_budget [--out DIR] [--quick]``: ``run`` with this command recorded."""
     args = scenario_parser("python -m bench.knee_budget", __doc__).parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     return run(args.out, args.quick, "python -m bench.knee_budget" + (" --quick" if args.quick else ""))

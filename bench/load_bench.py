@@ -89,6 +89,7 @@ __all__ = ["main", "full_run", "plot"]
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line of the module doc: a ``--*-only`` flag delegates to its scenario, else ``full_run``."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench_results"))
     parser.add_argument("--quick", action="store_true", help="tiny steps: proves the command, measures little")

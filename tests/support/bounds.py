@@ -35,6 +35,7 @@ MULTIPART = {"Content-Type": "multipart/form-data; boundary=B"}
 
 
 def json_error(response: httpx.Response, status: int, code: str) -> dict:
+    """Assert ``response`` is a JSON error ``status``/``code`` with a message and request id; return its ``error`` body."""
     assert response.status_code == status, (response.status_code, response.text[:300])
     assert response.headers["content-type"].startswith("application/json")
     body = response.json()["error"]

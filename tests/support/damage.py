@@ -34,20 +34,24 @@ ORIGINALS: dict[str, tuple[str, dict]] = {
 
 @functools.lru_cache(maxsize=None)
 def original(name: str) -> bytes:
+    """The undamaged file ``name`` of ``ORIGINALS``: chelsea in that format."""
     fmt, options = ORIGINALS[name]
     return encode(CHELSEA, fmt, **options)
 
 
 def bad_crc_text_chunk() -> bytes:
+    """A PNG ``tEXt`` chunk whose CRC is wrong."""
     chunk = png_chunk(b"tEXt", b"Comment\x00taken on a phone")
     return chunk[:-4] + struct.pack(">I", zlib.crc32(b"something else"))
 
 
 def png_after_ihdr(data: bytes, chunk: bytes) -> bytes:
+    """``data`` (a PNG) with ``chunk`` inserted right after its IHDR."""
     return data[:33] + chunk + data[33:]  # signature (8) + IHDR (25)
 
 
 def tiff_with_next_ifd(data: bytes, offset: int) -> bytes:
+    """``data`` (a one-IFD TIFF) whose next-IFD offset is ``offset``."""
     (first_ifd,) = struct.unpack("<I", data[4:8])
     (entries,) = struct.unpack("<H", data[first_ifd : first_ifd + 2])
     at = first_ifd + 2 + 12 * entries
@@ -55,10 +59,12 @@ def tiff_with_next_ifd(data: bytes, offset: int) -> bytes:
 
 
 def webp_with_riff_size(data: bytes, size: int) -> bytes:
+    """``data`` (a WebP) whose RIFF size field says ``size``."""
     return data[:4] + struct.pack("<I", size) + data[8:]
 
 
 def bmp_with_file_size(data: bytes, size: int) -> bytes:
+    """``data`` (a BMP) whose file-size field says ``size``."""
     return data[:2] + struct.pack("<I", size) + data[6:]
 
 
@@ -137,6 +143,7 @@ def cut(name: str, missing: float) -> bytes:
 
 
 def progressive_cut_after_first_scan() -> bytes:
+    """The progressive JPEG original cut right before its second scan."""
     data = original("progressive_jpeg")
     second_scan = data.index(b"\xff\xda", data.index(b"\xff\xda") + 2)
     return data[:second_scan]

@@ -16,6 +16,7 @@ LIMITS = DecodeLimits(
 
 
 def png_chunk(kind: bytes, data: bytes) -> bytes:
+    """One PNG chunk: length, ``kind``, ``data`` and its CRC-32."""
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
 

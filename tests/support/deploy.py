@@ -21,6 +21,7 @@ KEDA_SCHEMA = K8S / "schemas" / "keda-scaledobject.schema.yaml"
 
 
 def load_all(path) -> list[dict]:
+    """The YAML documents of ``path`` (empty ones left out)."""
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
 
 
@@ -54,23 +55,28 @@ def validate(doc: dict) -> None:
 
 
 def one(docs: list[dict], kind: str) -> dict:
+    """The only document of ``kind`` in ``docs`` (fails if there are none or several)."""
     (doc,) = [d for d in docs if d["kind"] == kind]
     return doc
 
 
 def container(deployment: dict) -> dict:
+    """The only container of ``deployment``: Rampart."""
     (rampart,) = deployment["spec"]["template"]["spec"]["containers"]
     return rampart
 
 
 def deployment() -> dict:
+    """The base Deployment (deploy/k8s/base/deployment.yaml)."""
     return one(load_all(K8S / "base" / "deployment.yaml"), "Deployment")
 
 
 def scaled_object() -> dict:
+    """The KEDA ScaledObject (deploy/k8s/autoscaling/keda/scaledobject.yaml)."""
     return one(load_all(K8S / "autoscaling" / "keda" / "scaledobject.yaml"), "ScaledObject")
 
 
 def adapter_rules() -> list[dict]:
+    """The Prometheus adapter's external rules (deploy/k8s/autoscaling/hpa/prometheus-adapter-rules.yaml)."""
     config_map = one(load_all(K8S / "autoscaling" / "hpa" / "prometheus-adapter-rules.yaml"), "ConfigMap")
     return yaml.safe_load(config_map["data"]["config.yaml"])["externalRules"]

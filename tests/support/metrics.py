@@ -23,6 +23,7 @@ def scrape(server) -> dict[str, dict[tuple, float]]:
 
 
 def total(samples: dict, name: str, **labels: str) -> float:
+    """The sum of sample ``name`` over the series whose labels include ``labels`` (per-process ``pid`` series left out)."""
     wanted = set(labels.items())
     return sum(v for k, v in samples.get(name, {}).items() if wanted <= set(k) and ("pid", "") not in k)
 

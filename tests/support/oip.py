@@ -30,10 +30,12 @@ def texts(array: np.ndarray) -> list:
 
 
 def bad_request(header: dict) -> bytes:
+    """A JSON-only request body (no binary part) from ``header``."""
     return json.dumps(header).encode()
 
 
 def answer(labels: list[tuple[int, str, float]], reason: str | None = None) -> dict:
+    """A pipeline answer with ``labels`` as ``(index, label, score)`` (degraded with ``reason`` when given)."""
     return {"labels": [{"index": i, "label": n, "score": s} for i, n, s in labels], "degraded": reason is not None,
             "degraded_reason": reason, "needs_review": not labels,
             "model": {"name": "rampart-primary", "version": "v"} if labels else None,
@@ -41,14 +43,17 @@ def answer(labels: list[tuple[int, str, float]], reason: str | None = None) -> d
 
 
 def image_json(**changes) -> dict:
+    """A one-image JSON request (``IMAGE``, BYTES, base64), its input changed by ``changes``."""
     return {"inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": ["eA=="], **changes}]}
 
 
 def pixels_json(**changes) -> dict:
+    """A 1×1 ``PIXELS`` (UINT8) JSON request, its input changed by ``changes``."""
     return {"inputs": [{"name": "PIXELS", "datatype": "UINT8", "shape": [1, 1, 1, 3], "data": [1, 2, 3], **changes}]}
 
 
 def raw(text: str) -> bytes:
+    """A request body written by hand (for JSON that ``json.dumps`` cannot write)."""
     return text.encode()
 
 

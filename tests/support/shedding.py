@@ -82,6 +82,7 @@ class SheddingServer:
         threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
 
     def count(self, status: int | None = None) -> int:
+        """How many requests arrived (with answer ``status``, when given)."""
         return sum(1 for a in self.arrivals if status is None or a.status == status)
 
     def close(self) -> None:
