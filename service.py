@@ -48,16 +48,14 @@ from starlette.requests import Request
 from rampart.api import oip
 from rampart.api.app import (attach, classify_batch_endpoint, classify_endpoint, create_app, refuse_before_admission,
                              route_error_answered, state_of)
-from rampart.api.arrival import bound_inflight, stamp_arrivals
+from rampart.api.arrival import bound_inflight
 from rampart.api.bentoml_api import (CLASSIFY_API_ROUTE, CLASSIFY_BATCH_API_ROUTE, CLASSIFY_BATCH_DOC, CLASSIFY_DOC,
                                     BatchAnswer, BatchUpload, ClassifyAnswer, ImageUpload, documented)
-from rampart.api.bentoml_fixes import (bound_endpoint_labels, cache_io_media_types, cancel_request_timers,
-                                      keep_runner_sockets_until_stopped)
-from rampart.api.headlimit import limit_request_heads
 from rampart.api.lifecycle import ENTRY_SERVICE_NAME, Lifecycle, all_entry_workers_ready, intercept_exit_signals
 from rampart.api.lifecycle import mark_worker_ready
 from rampart.api.lifecycle import logger as lifecycle_log
 from rampart.api.routing import JSONRouteErrors
+from rampart.compat import apply_all
 from rampart.config import get_settings
 from rampart.cores import place_this_process
 from rampart.inputs.buckets import buckets_for_resolution
@@ -73,12 +71,10 @@ from runners.shadow import Shadow
 
 logger = logging.getLogger("rampart.service")
 settings = get_settings()
-cancel_request_timers()  # BentoML 1.4.29 keeps every request alive for traffic.timeout: see the module
-stamp_arrivals()  # deadlines count from each request's first byte: see rampart.api.arrival
-bound_endpoint_labels()  # BentoML labels its traffic metrics with the raw path: see the module
-limit_request_heads()  # uvicorn's httptools protocol accepts request heads of any size: see the module
-keep_runner_sockets_until_stopped()  # BentoML's arbiter deletes the runners' sockets at SIGTERM, before the drain
-cache_io_media_types()  # BentoML rebuilds a JSON schema for every response's media type: see the module
+# The pinned BentoML, uvicorn and httptools, or a RuntimeError; then every patch of their internals
+# (the request timers, arrival stamps, metric labels, head bound, in-flight bound's place, runner
+# sockets, media types, batching wait): rampart.compat and docs/compat.md.
+apply_all()
 
 
 def model_endpoint(tag: str, runner, max_items: int = 1,

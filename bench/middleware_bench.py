@@ -40,9 +40,9 @@ def stacks() -> dict[str, list]:
     import service
 
     service.Rampart.inject_config()
-    from _bentoml_impl.server.app import ServiceAppFactory
+    from rampart.compat.bentoml_private import service_app_factory
 
-    factory = ServiceAppFactory(service.Rampart, is_main=True, enable_metrics=True)
+    factory = service_app_factory()(service.Rampart, is_main=True, enable_metrics=True)
     middlewares = factory.middlewares
     out = {"all": middlewares, "none": []}
     for middleware in middlewares:

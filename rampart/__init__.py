@@ -1,10 +1,12 @@
 """Rampart's serving logic, grouped by concern; framework-free but for the HTTP layer.
 
 - ``rampart.api``: the HTTP layer (Starlette app and routes, request parsing, the Open
-  Inference Protocol, start-up and drain, BentoML/uvicorn adapters and fixes). The
-  only subpackage that imports BentoML (``bentoml_api`` at module level,
-  ``bentoml_fixes`` inside each patch function, ``app`` inside ``api_worker`` for the
-  worker's index) or uvicorn (``arrival``, ``headlimit``).
+  Inference Protocol, start-up and drain, the BentoML API view). It uses BentoML's public
+  API only (``bentoml_api`` at module level, ``app`` inside ``api_worker`` for the
+  worker's index).
+- ``rampart.compat``: every patch of a BentoML, uvicorn or circus internal, the check that
+  the pinned versions are installed, and the only imports of their private modules
+  (docs/compat.md).
 - ``rampart.inputs``: upload bytes to model inputs (decoding, decode cost, repair,
   buckets, the decode worker pool).
 - ``rampart.overload``: admission gates and throughput meter, circuit breaker,

@@ -216,7 +216,7 @@ class DeadlineTooShort(RequestError):
 
 
 class HeadersTooLarge(RequestError):
-    """The request line and headers together are longer than ``rampart.api.headlimit.MAX_HEAD_BYTES``."""
+    """The request line and headers together are longer than ``rampart.compat.uvicorn_httptools.MAX_HEAD_BYTES``."""
 
     code, status = "headers_too_large", 431
 

@@ -31,6 +31,9 @@ from inference.engine_choice import logger as engine_log
 from inference.stored import load_engine
 from rampart.api.lifecycle import RUNNER_EXIT_MARGIN_S, intercept_exit_signals, wait_for_entry_workers
 from rampart.api.lifecycle import logger as lifecycle_log
+from rampart.compat import check_versions
+from rampart.compat.bentoml_batching import dispatch_when_free
+from rampart.compat.bentoml_private import debug_mode
 from rampart.config import Settings, default_cpu_threads, get_settings
 from rampart.cores import place_this_process, usable_cores
 from rampart.faults import FaultInjector, FaultSpec
@@ -40,44 +43,8 @@ from rampart.telemetry import metrics
 __all__ = ["RunnerItem", "RunnerResult", "BucketedRunner", "RunnerSpec", "runner_spec", "load_engine", "define_runner",
            "dispatch_when_free", "pick_engine", "release_heap"]
 
-
-def dispatch_when_free() -> None:
-    """Make BentoML's adaptive batching send a batch as soon as the model is free, never later.
-
-    BentoML 1.4.29's ``CorkDispatcher`` (``bentoml/_internal/marshal/dispatcher.py``)
-    holds a batch back while ``n × (age of the newest request + 1 ms + a) ≤ 0.95 ×
-    wait``, where ``wait`` is the *average time the last 50 batches waited* before
-    they were sent, refreshed every 5 s. Under overload batches wait hundreds of ms
-    for the busy model, so ``wait`` grows; afterwards a lone request is held back for
-    almost ``wait``, and its batch logs that wait again, so the learned value feeds
-    itself (fixed point about 20 × (a + 1 ms), a ≈ 10 ms per image here: ~200 ms).
-    Rampart measured this as single-connection latency of 158-229 ms instead of
-    32-45 ms for as long as it looked, after a closed-loop overload.
-
-    Rampart needs no cork: its admission gate keeps at most one batch computing and
-    one forming per model, so batches fill by themselves while the model is busy,
-    and an idle model should start at once (Triton's default, ``max_queue_delay``
-    0). This keeps the dispatcher's fitted batch-cost model (used only for its
-    ``max_latency_ms`` cancellation, which Rampart sets out of reach) and pins the
-    learned wait to 0. Idempotent; applied when this module is imported, which
-    every runner process does.
-    """
-    from bentoml._internal.marshal import dispatcher
-
-    optimizer = dispatcher.Optimizer
-    if getattr(optimizer.trigger_refresh, "_rampart_fixed", False):
-        return
-    refresh = optimizer.trigger_refresh
-
-    def trigger_refresh(self) -> None:
-        refresh(self)
-        self.wait = 0.0
-
-    trigger_refresh._rampart_fixed = True
-    optimizer.trigger_refresh = trigger_refresh
-
-
-dispatch_when_free()
+check_versions()  # the runner processes run on the pinned BentoML, uvicorn and httptools, or not at all
+dispatch_when_free()  # BentoML's batcher learns to hold a lone request back after an overload: see the function
 
 
 class RunnerItem(bentoml.IODescriptor):
@@ -267,9 +234,7 @@ def runner_access_log_enabled() -> bool:
     ``RAMPART_RUNNER_ACCESS_LOG=true`` or BentoML's debug mode (``bentoml serve --debug``
     or ``BENTOML_DEBUG=true``), read when the runner class is defined.
     """
-    from bentoml._internal.configuration import get_debug_mode
-
-    return get_settings().runner_access_log or get_debug_mode()
+    return get_settings().runner_access_log or debug_mode()
 
 
 @dataclass(frozen=True)

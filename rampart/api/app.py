@@ -1,7 +1,7 @@
 """Rampart's HTTP layer: the Starlette app, built by ``create_app``.
 
 The app is plain Starlette and runs without a server (in-process tests); its one
-BentoML import is ``bentoml._internal.context`` inside ``api_worker``, for the
+BentoML import is ``bentoml.server_context`` inside ``api_worker``, for the
 worker's index under ``bentoml serve``.
 
 Routes:
@@ -302,7 +302,7 @@ def api_worker(settings: Settings) -> dict:
     """Which API worker answers: ``index`` (BentoML's worker id, 1..``of``; None outside ``bentoml serve``),
     ``pid``, ``of`` (``api_workers``) and ``cores``, the CPU ids it may run on (``rampart.cores``). With
     several workers, ``/stats`` is that worker's own state."""
-    from bentoml._internal.context import server_context  # BentoML sets worker_index in each worker
+    from bentoml import server_context  # BentoML sets worker_index in each worker
 
     return {"index": server_context.worker_index, "pid": os.getpid(), "of": settings.api_workers,
             "cores": usable_cores()}

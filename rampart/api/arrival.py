@@ -6,10 +6,10 @@ buffers, the event loop's backlog and BentoML's middlewares; on the 2-core
 machine under a 256-connection overload that was 60-270 ms per request that the
 deadline never saw (measured in the closed-loop overload, docs/benchmarks.md).
 
-- **First byte.** ``stamp_arrivals()`` makes uvicorn (httptools protocol, the
-  one BentoML runs when ``httptools`` is installed) note ``time.monotonic()`` in
-  the ASGI scope (key ``ARRIVAL_KEY``) when the parser sees the first byte of
-  each request (``on_message_begin``), for keep-alive connections too.
+- **First byte.** ``rampart.compat.uvicorn_httptools.stamp_arrivals()`` makes uvicorn
+  (httptools protocol, the one BentoML runs when ``httptools`` is installed) note
+  ``time.monotonic()`` in the ASGI scope (key ``ARRIVAL_KEY``) when the parser sees the
+  first byte of each request (``on_message_begin``), for keep-alive connections too.
 - **A load balancer's stamp.** ``X-Request-Start: t=<epoch>`` (nginx
   ``"t=${msec}"``, Heroku's router, the New Relic and Datadog convention) is the
   time the request reached the proxy in front. Seconds, milliseconds and
@@ -21,11 +21,12 @@ deadline never saw (measured in the closed-loop overload, docs/benchmarks.md).
   Anything else is ignored.
 
 Without either (an ASGI server other than uvicorn+httptools, an in-process
-call) the handler's start is used.
+call) the handler's start is used. This module itself imports no server.
 
 **What may wait before admission sees it.** Admission runs at the start of the
 handler, behind BentoML's middlewares. ``bound_inflight(limit, refuse, paths)``
-puts a counter in front of everything (the app uvicorn calls): when ``limit()``
+puts a counter in front of everything (the app uvicorn calls, with any of its protocols:
+``behind_bound``, installed by ``rampart.compat.uvicorn_app``): when ``limit()``
 requests to ``paths`` are already in flight in this worker, the next one is
 answered by ``refuse`` at once (Rampart: 429 ``overloaded`` with
 ``Retry-After``), before any middleware runs. Rampart derives ``limit`` from its
@@ -44,8 +45,8 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Collection
 
-__all__ = ["ARRIVAL_KEY", "FUTURE_SKEW_MS", "Arrival", "arrival_of", "parse_request_start", "stamp_arrivals",
-           "bound_inflight", "InflightBound"]
+__all__ = ["ARRIVAL_KEY", "FUTURE_SKEW_MS", "Arrival", "arrival_of", "parse_request_start", "bound_inflight",
+           "behind_bound", "InflightBound"]
 
 #: ASGI scope key holding the ``time.monotonic()`` of the request's first byte.
 ARRIVAL_KEY = "rampart.first_byte_monotonic"
@@ -104,32 +105,6 @@ def arrival_of(scope: dict, request_start: str | None, max_age_ms: float) -> Arr
     return Arrival(now_monotonic - age_s, now_wall - age_s, age_s * 1000.0, source)
 
 
-def stamp_arrivals() -> None:
-    """Patch uvicorn's httptools protocol to note each request's first byte in its scope (idempotent).
-
-    ``on_message_begin`` runs when the HTTP parser meets the first byte of a
-    request and creates the scope; the patch adds one ``time.monotonic()`` call
-    (tens of nanoseconds). A uvicorn without the httptools protocol is left alone.
-    """
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:  # httptools not installed: the handler's start is used
-        return
-    if getattr(HttpToolsProtocol.on_message_begin, "_rampart_stamped", False):
-        return
-    begin = HttpToolsProtocol.on_message_begin
-
-    def on_message_begin(self) -> None:
-        arrived = time.monotonic()
-        begin(self)
-        self.scope[ARRIVAL_KEY] = arrived
-        if _bound is not None and getattr(self.app, "_rampart_bound", None) is not _bound:
-            self.app = _bound.wrap(self.app)
-
-    on_message_begin._rampart_stamped = True
-    HttpToolsProtocol.on_message_begin = on_message_begin
-
-
 class InflightBound:
     """At most ``limit()`` requests to ``paths`` in flight in this worker; the next gets ``refuse(scope, receive, send)``.
 
@@ -183,7 +158,22 @@ _bound: InflightBound | None = None
 
 def bound_inflight(limit: Callable[[], int], refuse: Callable[[dict, Callable, Callable], Awaitable[None]],
                    paths: Collection[str]) -> InflightBound:
-    """Install (or replace) the in-flight bound that ``stamp_arrivals`` puts in front of the app; returns it."""
+    """Install (or replace) the in-flight bound that ``behind_bound`` puts in front of the app; returns it."""
     global _bound
     _bound = InflightBound(limit, refuse, paths)
     return _bound
+
+
+def behind_bound(app: Callable) -> Callable:
+    """``app`` (an ASGI app) behind whatever in-flight bound ``bound_inflight`` has installed when each request
+    arrives (none: ``app`` itself answers). ``rampart.compat.uvicorn_app`` puts the app uvicorn serves behind it,
+    whichever protocol uvicorn runs (httptools or h11)."""
+
+    async def front(scope, receive, send) -> None:
+        bound = _bound
+        if bound is None:
+            return await app(scope, receive, send)
+        return await bound.wrap(app)(scope, receive, send)
+
+    front._rampart_front = True
+    return front

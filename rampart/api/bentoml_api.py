@@ -34,7 +34,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from _bentoml_sdk.io_models import IODescriptor
+from bentoml import IODescriptor
 from pydantic import BaseModel, Field
 
 from rampart.errors import ERROR_CLASSES

@@ -3,7 +3,7 @@
 ``bentoml serve`` runs every process under one circus arbiter. On SIGTERM the
 arbiter sends SIGTERM to all of them at once (``circus.arbiter._stop_watchers``),
 and each is a uvicorn server that closes its listening socket at once (BentoML
-also deleted the runners' socket files at once; ``rampart.api.bentoml_fixes``
+also deleted the runners' socket files at once; ``rampart.compat.circus_arbiter``
 ``keep_runner_sockets_until_stopped`` defers that). Left as is, the runners
 vanish while the entry service still has requests in flight, and those requests
 find no model. Rampart therefore takes over the exit signal in every process

@@ -11,7 +11,7 @@ mounted app never runs, and BentoML's static-file mount answers its own plain-te
   (``/classify``, ``/livez``, ``/static_content``), matched against the outer
   app's routes (``scope["app"]``, set by Starlette before its middleware), or
   ``OTHER_ENDPOINT`` for every path no route serves; metric labels then come
-  from a fixed set (``rampart.api.bentoml_fixes.bound_endpoint_labels``).
+  from a fixed set (``rampart.compat.bentoml_server.bound_endpoint_labels``).
 - ``JSONRouteErrors``, an ASGI middleware (added with ``add_asgi_middleware``),
   turns every 404 or 405 that is not already JSON into Rampart's JSON error
   shape: 404 ``not_found``, 405 ``method_not_allowed`` (keeping ``Allow``); under ``/v2`` in the

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from rampart.api import http
-from rampart.api.headlimit import MAX_HEAD_BYTES
+from rampart.compat.uvicorn_httptools import MAX_HEAD_BYTES
 from rampart.api.routing import OTHER_ENDPOINT
 from tests.support import PHOTOS, encode, photo
 from tests.support.metrics import scrape

@@ -228,7 +228,7 @@ def test_inflight_bound_leaves_room_for_high_priority_requests():
 def test_bentoml_timeout_middleware_still_answers_504_when_nothing_was_sent_in_time():
     from bentoml._internal.server.http.traffic import TimeoutMiddleware
 
-    from rampart.api.bentoml_fixes import cancel_request_timers
+    from rampart.compat.bentoml_server import cancel_request_timers
 
     cancel_request_timers()
 

@@ -246,7 +246,7 @@ def test_oom_splits_the_batch_once_then_gives_up():
 def test_bentoml_timeout_middleware_no_longer_keeps_finished_requests_alive():
     from bentoml._internal.server.http.traffic import TimeoutMiddleware
 
-    from rampart.api.bentoml_fixes import cancel_request_timers
+    from rampart.compat.bentoml_server import cancel_request_timers
 
     cancel_request_timers()
 

@@ -27,7 +27,7 @@ from _bentoml_impl.server.mount import PassiveMount
 from rampart import errors
 from rampart.api import http
 from rampart.overload.deadline import Deadline
-from rampart.api.headlimit import HeadLimitedProtocol
+from rampart.compat.uvicorn_httptools import HeadLimitedProtocol
 from rampart.api.routing import JSONRouteErrors, route_template
 from tests.support.bounds import EMPTY_PARTS_BOMB, MULTIPART, TINY_IMAGES_BOMB, form, json_error
 

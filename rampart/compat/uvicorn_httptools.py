@@ -1,4 +1,9 @@
-"""A bound on the HTTP request head (request line and headers), enforced before it is parsed.
+"""Patches of uvicorn 0.54.0's httptools protocol (httptools 0.9.0): the request-head bound and arrival stamps.
+
+This module imports ``uvicorn.protocols.http.httptools_impl``, which needs httptools; nothing else
+does (the front door, ``rampart.compat.uvicorn_app``, works with any uvicorn protocol).
+
+**A bound on the HTTP request head (request line and headers), enforced before it is parsed.**
 
 ``bentoml serve`` 1.4.29 runs uvicorn with ``http="auto"``, which picks the
 httptools protocol. Neither has a limit on the head: llhttp hands each header line
@@ -15,20 +20,28 @@ counts each request's head as it arrives, before the parser sees it, and above
 and closes the connection. ``limit_request_heads()`` makes uvicorn use it for
 ``http="auto"`` and ``"httptools"``; it is applied when ``service.py`` is imported,
 before BentoML's worker builds its uvicorn config.
+
+**First byte.** ``stamp_arrivals()`` notes when each request's first byte arrived in its
+ASGI scope (``rampart.api.arrival.ARRIVAL_KEY``), where the deadline clock starts.
+
+Both are applied by ``rampart.compat.apply_all``; the patched objects' sources are hashed in
+``rampart.compat.targets``; docs/compat.md.
 """
 
 from __future__ import annotations
 
+import time
 import uuid
 
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from rampart.api.arrival import ARRIVAL_KEY
 from rampart.telemetry import metrics
 from rampart.telemetry.accesslog import log_request
 from rampart.errors import HeadersTooLarge
 
-__all__ = ["MAX_HEAD_BYTES", "HeadLimitedProtocol", "limit_request_heads"]
+__all__ = ["MAX_HEAD_BYTES", "HeadLimitedProtocol", "limit_request_heads", "stamp_arrivals"]
 
 #: Longest request head (request line, headers, their line ends) accepted, in bytes.
 #: AWS ALB allows 64 KiB in all; nginx 4 × 8 KiB lines by default, Node.js 16 KiB.
@@ -103,10 +116,43 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
 
 def limit_request_heads() -> None:
-    """Make uvicorn's ``http="auto"`` and ``"httptools"`` use ``HeadLimitedProtocol`` (idempotent)."""
+    """Make uvicorn's ``http="auto"`` and ``"httptools"`` use ``HeadLimitedProtocol`` (idempotent).
+
+    Fixes: no bound on a request head with httptools (module doc). Upstream: uvicorn has no head-size
+    limit for httptools (https://github.com/Kludex/uvicorn/issues/157, closed; the limit proposed in
+    https://github.com/Kludex/uvicorn/pull/1684 was not merged, and
+    https://github.com/MagicStack/httptools/issues/87 explains that it must act before parsing).
+    Written for uvicorn 0.54.0 with httptools 0.9.0; targets ``uvicorn.config.HTTP_PROTOCOLS`` and the
+    ``HttpToolsProtocol`` methods ``HeadLimitedProtocol`` overrides.
+    """
     from uvicorn import config
 
     target = f"{__name__}:{HeadLimitedProtocol.__name__}"
     config.HTTP_PROTOCOLS["auto"] = target
     config.HTTP_PROTOCOLS["httptools"] = target
 
+
+def stamp_arrivals() -> None:
+    """Patch uvicorn's httptools protocol to note each request's first byte in its scope (idempotent).
+
+    ``on_message_begin`` runs when the HTTP parser meets the first byte of a
+    request and creates the scope; the patch adds one ``time.monotonic()`` call
+    (tens of nanoseconds). Under another protocol (h11) no stamp is made and the
+    handler's start is used (``rampart.api.arrival``).
+
+    Fixes: a deadline clock that started only in the handler, after the event loop's backlog and
+    BentoML's middlewares (60-270 ms per request under overload). Upstream: no upstream report
+    found (an ASGI server has no standard way to pass the arrival time). Written for uvicorn 0.54.0
+    with httptools 0.9.0; target ``HttpToolsProtocol.on_message_begin``.
+    """
+    if getattr(HttpToolsProtocol.on_message_begin, "_rampart_stamped", False):
+        return
+    begin = HttpToolsProtocol.on_message_begin
+
+    def on_message_begin(self) -> None:
+        arrived = time.monotonic()
+        begin(self)
+        self.scope[ARRIVAL_KEY] = arrived
+
+    on_message_begin._rampart_stamped = True
+    HttpToolsProtocol.on_message_begin = on_message_begin

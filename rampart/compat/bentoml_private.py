@@ -1,0 +1,25 @@
+"""Private BentoML 1.4.29 names Rampart uses as they are (nothing here is patched).
+
+Each is reached through a function, so importing this module imports no BentoML internals; a
+BentoML upgrade that moves one breaks here, in one place (docs/compat.md).
+"""
+
+from __future__ import annotations
+
+__all__ = ["debug_mode", "service_app_factory"]
+
+
+def debug_mode() -> bool:
+    """Whether BentoML runs in debug mode (``bentoml serve --debug`` or ``BENTOML_DEBUG=true``):
+    ``bentoml._internal.configuration.get_debug_mode()``; BentoML has no public accessor."""
+    from bentoml._internal.configuration import get_debug_mode
+
+    return get_debug_mode()
+
+
+def service_app_factory() -> type:
+    """BentoML's ``_bentoml_impl.server.app.ServiceAppFactory``, the class that builds a service's ASGI app and
+    its middleware stack (``bench/middleware_bench.py`` measures each middleware with it)."""
+    from _bentoml_impl.server.app import ServiceAppFactory
+
+    return ServiceAppFactory
