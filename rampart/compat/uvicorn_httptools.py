@@ -1,7 +1,7 @@
 """Patches of uvicorn 0.54.0's httptools protocol (httptools 0.9.0): the request-head bound and arrival stamps.
 
 This module imports ``uvicorn.protocols.http.httptools_impl``, which needs httptools; nothing else
-does (the front door, ``rampart.compat.uvicorn_app``, works with any uvicorn protocol).
+does (the in-flight bound's hook, ``rampart.compat.uvicorn_app``, works with any uvicorn protocol).
 
 **A bound on the HTTP request head (request line and headers), enforced before it is parsed.**
 

@@ -1,5 +1,6 @@
 """No after-effects of overload, without a server: meter and Retry-After after idle (fake clock), the
-breaker telling busy from hung, BentoML's learned batching wait, arrival times and the in-flight bound."""
+breaker telling busy from hung, arrival times and the in-flight bound. BentoML's learned batching wait
+(``rampart.compat.bentoml_batching``) is tested in ``tests/unit/test_compat.py``."""
 
 from __future__ import annotations
 
@@ -139,18 +140,6 @@ def test_a_hung_model_still_opens_the_breaker():
     assert lane.breaker.state == OPEN
 
 
-def test_bentoml_dispatcher_learns_no_batching_wait():
-    import runners.common  # noqa: F401  (applies dispatch_when_free)
-    from bentoml._internal.marshal.dispatcher import Optimizer
-
-    optimizer = Optimizer(max_latency=60.0)
-    for _ in range(60):  # batches that waited 300 ms for a busy model, as under overload
-        optimizer.log_outbound(n=16, wait=0.3, duration=0.2)
-    optimizer.trigger_refresh()
-    assert optimizer.wait == 0.0
-    assert optimizer.o_a > 0  # the batch-cost fit is kept
-
-
 def test_x_request_start_units_and_sanity_bound():
     now = time.time()
     for raw in (f"t={now - 0.4:.3f}", f"t={int((now - 0.4) * 1000)}", f"t={int((now - 0.4) * 1e6)}", f"{now - 0.4}"):
@@ -223,31 +212,3 @@ def test_inflight_bound_leaves_room_for_high_priority_requests():
         return entered
 
     assert sorted(asyncio.run(scenario())) == [b"HIGH", b"normal", b"refused", b"refused"]
-
-
-def test_bentoml_timeout_middleware_still_answers_504_when_nothing_was_sent_in_time():
-    from bentoml._internal.server.http.traffic import TimeoutMiddleware
-
-    from rampart.compat.bentoml_server import cancel_request_timers
-
-    cancel_request_timers()
-
-    async def silent(scope, receive, send):
-        await asyncio.sleep(3600)
-
-    async def slow_body(scope, receive, send):  # starts answering at once, finishes after the timeout
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await asyncio.sleep(0.1)
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    async def scenario(app):
-        sent = []
-
-        async def send(message):
-            sent.append(message.get("status"))
-
-        await TimeoutMiddleware(app, timeout=0.05)({"type": "http"}, None, send)
-        return sent
-
-    assert asyncio.run(scenario(silent))[0] == 504
-    assert asyncio.run(scenario(slow_body)) == [200, None]

@@ -243,31 +243,6 @@ def test_oom_splits_the_batch_once_then_gives_up():
         TorchClassifier(_OomAbove(limit=1), 127.0, 128.0, device="cpu").predict(batch)  # halves of 2 still fail
 
 
-def test_bentoml_timeout_middleware_no_longer_keeps_finished_requests_alive():
-    from bentoml._internal.server.http.traffic import TimeoutMiddleware
-
-    from rampart.compat.bentoml_server import cancel_request_timers
-
-    cancel_request_timers()
-
-    async def app(scope, receive, send):
-        await send({"type": "http.response.start", "status": 200, "headers": []})
-        await send({"type": "http.response.body", "body": b"ok"})
-
-    async def scenario():
-        middleware = TimeoutMiddleware(app, timeout=70)
-
-        async def send(message):
-            pass
-
-        for _ in range(100):
-            await middleware({"type": "http"}, None, send)
-        loop = asyncio.get_running_loop()
-        return sum(1 for handle in loop._scheduled if not handle.cancelled())  # asyncio's timer heap
-
-    assert asyncio.run(scenario()) == 0  # unpatched BentoML 1.4.29: 100 timers pending for 70 s
-
-
 def test_service_time_separates_the_runners_compute_from_the_fixed_travel_time():
     service = ServiceTime()
     assert not service.ready and service.completion_s(5) == 0.0

@@ -1,0 +1,108 @@
+"""The upstream objects Rampart's patches replace or build on, each with the SHA-256 of its source at the pins.
+
+A patch is written against one version of its target. ``TARGETS`` records, for each patch in
+``rampart.compat``, the upstream objects it replaces, wraps or relies on the inside of, and the
+hash of their source text (``upstream_source``) at the pinned versions (``rampart.compat.PINS``,
+kantoku 0.18.3 for circus). ``tests/unit/test_compat.py`` recomputes every hash: when an upgrade
+changes a target, that test names it, and the patch must be read again against the new source
+(docs/compat.md, "Upgrading BentoML") before its hash is updated here.
+
+The source is read from the module's file with ``ast`` without importing it, so the hash is
+the upstream text whether or not the patch has been applied in this process.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+from dataclasses import dataclass
+
+__all__ = ["Target", "TARGETS", "upstream_source", "source_sha256"]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One upstream object: ``patch`` (the ``rampart.compat`` function that relies on it, as
+    ``module.function``), ``module`` (the upstream module's import name), ``qualname`` (a class,
+    function, method or module-level assignment in it, dotted) and ``sha256`` (hex, of its source)."""
+
+    patch: str
+    module: str
+    qualname: str
+    sha256: str
+
+
+def upstream_source(module: str, qualname: str) -> str:
+    """The source text of ``qualname`` (``Class``, ``Class.method``, ``function`` or a module-level name
+    assigned once) in the module ``module``, as written in its file (decorators excluded).
+
+    Raises ``LookupError`` when the module's file or the name is not found.
+    """
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        raise LookupError(f"no Python source for module {module}")
+    with open(spec.origin, encoding="utf-8") as file:
+        text = file.read()
+    nodes = ast.parse(text).body
+    node = None
+    for part in qualname.split("."):
+        node = _named(nodes, part)
+        if node is None:
+            raise LookupError(f"{module} has no {qualname}")
+        nodes = getattr(node, "body", [])
+    return ast.get_source_segment(text, node)
+
+
+def _named(nodes: list, name: str):
+    for node in nodes:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
+            return node
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return node
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id == name:
+            return node
+    return None
+
+
+def source_sha256(module: str, qualname: str) -> str:
+    """SHA-256 (hex) of ``upstream_source(module, qualname)`` encoded as UTF-8."""
+    return hashlib.sha256(upstream_source(module, qualname).encode("utf-8")).hexdigest()
+
+
+_TRAFFIC = "bentoml._internal.server.http.traffic"
+_INSTRUMENTS = "bentoml._internal.server.http.instruments"
+_HTTPTOOLS = "uvicorn.protocols.http.httptools_impl"
+
+#: Every upstream object a patch depends on, with its source hash at the pinned versions.
+TARGETS: tuple[Target, ...] = (
+    Target("bentoml_server.cancel_request_timers", _TRAFFIC, "TimeoutMiddleware",
+           "3078c89fa25ec159bef380cc8bbb1f2996d7a548445476cd71e216170d433080"),
+    Target("bentoml_server.bound_endpoint_labels", _INSTRUMENTS, "RunnerTrafficMetricsMiddleware.__call__",
+           "048dcbd5af3f43785785fce4b93bc1f020cf812fbf8c22ab7985919f692c678a"),
+    Target("bentoml_server.bound_endpoint_labels", _INSTRUMENTS, "HTTPTrafficMetricsMiddleware.__call__",
+           "79aed2567379ef0fe27b816a307c55b353340052d857a8411a5a6d27e28e87f8"),
+    Target("bentoml_server.cache_io_media_types", "_bentoml_sdk.io_models", "IOMixin.mime_type",
+           "d69fd7e8d28f73a6da988178b5257884ee8e8989ba38607b0959319f63acbb8e"),
+    Target("bentoml_batching.dispatch_when_free", "bentoml._internal.marshal.dispatcher", "Optimizer",
+           "64b6c86fa0a5bdba49991820544f57a99f4e186c7a100dd6c7f2b0d04db8bbe6"),
+    Target("bentoml_batching.dispatch_when_free", "bentoml._internal.marshal.dispatcher", "CorkDispatcher",
+           "c1a03b6e639e747c883d194c80649eabb1e3710a4467151dccf6548c66dda897"),
+    Target("circus_arbiter.keep_runner_sockets_until_stopped", "bentoml._internal.utils.circus", "Arbiter",
+           "8950f69018ed2d075a2ad5f13e3a272e8e20f8c8ae3d4609d083212b39928361"),
+    Target("circus_arbiter.keep_runner_sockets_until_stopped", "circus.arbiter", "Arbiter.stop",
+           "10180d3605cc0eccadb2dc506ab3c55783020c122d73a36cfe00b199dd7fa993"),
+    Target("circus_arbiter.keep_runner_sockets_until_stopped", "circus.arbiter",
+           "Arbiter.stop_controller_and_close_sockets",
+           "64b22cd160be3e0275403cf809321f34c6a92d538220d7c9751ac8a10167841c"),
+    Target("circus_arbiter.keep_runner_sockets_until_stopped", "_bentoml_impl.server.serving", "serve_http",
+           "064520b67937911135bca5b173a493865690c3e9e5d739601f01df38ebf0d1e6"),
+    Target("uvicorn_httptools.limit_request_heads", "uvicorn.config", "HTTP_PROTOCOLS",
+           "7ab42f7685d8ea87328180ec12c3875176b461a1c68cfb5541aa499a8a45a224"),
+    Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "HttpToolsProtocol",
+           "ae3ad6c5410895e2ddf3065e563328b68a886cd0e514701cc2abe2ae7c1d4000"),
+    Target("uvicorn_httptools.stamp_arrivals", _HTTPTOOLS, "HttpToolsProtocol.on_message_begin",
+           "8b027723aca379722d73c79e47b4d65ea5bf8c977a6706939a00209b7ae5c912"),
+    Target("uvicorn_app.serve_behind_bound", "uvicorn.config", "Config.load",
+           "18b38398dc8c3478e90b9ef737d1f21a49f0303af365c2b0aaa81e0ab8f4c335"),
+)
