@@ -52,6 +52,16 @@ def test_another_version_is_refused_with_the_expected_and_found_versions():
         compat.check_versions(without_httptools)
 
 
+def test_apply_all_refuses_before_patching_anything_on_another_version(monkeypatch):
+    from uvicorn import config
+
+    protocols = dict(config.HTTP_PROTOCOLS)
+    monkeypatch.setitem(compat.PINS, "uvicorn", "0.0.1")
+    with pytest.raises(RuntimeError, match=r"uvicorn 0\.54\.0 \(expected 0\.0\.1\)"):
+        compat.apply_all()
+    assert config.HTTP_PROTOCOLS == protocols
+
+
 def pins_in(path: Path) -> dict[str, str]:
     """``name==version`` lines of a pip requirements or constraints file, names lower-cased."""
     pins = {}
