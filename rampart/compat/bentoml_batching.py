@@ -33,7 +33,7 @@ def dispatch_when_free() -> None:
 
     Fixes: a learned batching wait that fed itself after an overload (above). Upstream: no
     upstream report found (BentoML's https://github.com/bentoml/BentoML/pull/3664 set the wait to
-    0 only while the optimizer trains, at start). Written for BentoML 1.4.29; target
+    0 only while the optimizer trains). Written for BentoML 1.4.29; target
     ``bentoml._internal.marshal.dispatcher.Optimizer.trigger_refresh``.
     """
     from bentoml._internal.marshal import dispatcher
