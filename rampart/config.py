@@ -126,11 +126,12 @@ class Settings(BaseModel):
     # Batching before the runner boundary (rampart.coalesce): images bound for one bucket of one runner
     # that wait in an API worker go in one call when a call for that bucket returns, at most
     # runner_calls_in_flight calls out per bucket (docs/serving-cost.md). Off: one call per image.
-    # Two: one batch computing and the next already in the runner, so the model never waits for a round
-    # trip through a busy API worker (with one, the primary's core sat idle 5-7 s of 20 at 5x overload on
-    # the 2-core host, 2.2 s with two; docs/overload.md, "Predicting completion").
+    # One call out per bucket: at 5x overload on the 2-core host the primary's core then sat idle 5-7 s of 20
+    # waiting for round trips (2.2 s with two calls out), but with two, two replicas sharing the host
+    # served less than with one and in-flight requests of a draining replica got the static answer
+    # (docs/overload.md, "Predicting completion").
     runner_coalescing: bool = True
-    runner_calls_in_flight: int = Field(2, ge=1)
+    runner_calls_in_flight: int = Field(1, ge=1)
     primary_queue_delay_ms: int = Field(200, gt=0)
     fallback_queue_delay_ms: int = Field(200, gt=0)
     primary_throughput_ips: float = Field(0.0, ge=0.0)
