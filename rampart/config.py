@@ -196,6 +196,10 @@ class Settings(BaseModel):
     # in-flight bound). honour_deadlines false: the server ignores the client's deadline and gives every request
     # max_deadline_ms (no early stop, no TTL drop in practice).
     admission: Literal[ADMISSION_MODES] = "full"  # type: ignore[valid-type]  # "full", "queue-bound" or "off"
+    # How a gate predicts completion (rampart.overload.admission.AdmissionGate.completion_s): "meter", images
+    # ahead x the busy-time meter's time per image; "service", the runner's own compute per image plus a
+    # measured travel time (ServiceTime). "meter" by default (docs/overload.md, "Predicting completion").
+    admission_prediction: Literal["meter", "service"] = "meter"
     honour_deadlines: bool = True
 
     # Content-hash LRU cache of answers, used when both models fail; 0 turns it off.

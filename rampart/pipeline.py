@@ -168,7 +168,7 @@ class Classifier:
         self.primary = ModelLane("primary", primary, AdmissionGate(
             primary.name, settings.primary_max_batch_size, settings.primary_concurrent_batches,
             settings.primary_queue_delay_ms, ThroughputMeter(settings.primary_throughput_ips, tau_s, share=1 / workers),
-            workers=workers, mode=settings.admission,
+            workers=workers, mode=settings.admission, prediction=settings.admission_prediction,
         ), CircuitBreaker(
             window_s=settings.breaker_window_ms / 1000, min_calls=settings.breaker_min_calls,
             failure_rate=settings.breaker_failure_rate, open_s=settings.breaker_open_ms / 1000,
@@ -177,7 +177,7 @@ class Classifier:
         self.fallback = ModelLane("fallback", fallback, AdmissionGate(
             fallback.name, settings.fallback_max_batch_size, settings.fallback_concurrent_batches,
             settings.fallback_queue_delay_ms, ThroughputMeter(settings.fallback_throughput_ips, tau_s, share=1 / workers),
-            workers=workers, mode=settings.admission,
+            workers=workers, mode=settings.admission, prediction=settings.admission_prediction,
         ), None, Share.ALL)
         self.cascade = settings.routing == "cascade"
         #: The lanes in the order the routing asks them (admission takes a place with the first that has room).

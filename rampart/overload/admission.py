@@ -78,7 +78,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import AsyncIterator, Callable
 
-__all__ = ["DECODING", "ADMISSION_MODES", "PRIORITIES", "priority_rank", "priority_name", "Shed", "ThroughputMeter",
+__all__ = ["DECODING", "ADMISSION_MODES", "PREDICTIONS", "PRIORITIES", "priority_rank", "priority_name", "Shed", "ThroughputMeter",
            "ServiceTime", "Ticket", "AdmissionGate"]
 
 #: Pseudo-bucket of queued requests whose image is still being decoded.
@@ -86,6 +86,9 @@ DECODING = "decoding"
 #: What a gate may refuse (``AdmissionGate.mode``, setting ``admission``): ``full`` (queue bound and predicted
 #: lateness: production), ``queue-bound`` (queue bound only), ``off`` (nothing). The last two are for experiments.
 ADMISSION_MODES = ("full", "queue-bound", "off")
+#: How a gate predicts completion (setting ``admission_prediction``): ``meter`` (images ahead × the busy-time
+#: meter's time per image, the default) or ``service`` (``ServiceTime``: travel time + images × compute).
+PREDICTIONS = ("meter", "service")
 #: The priority classes (``X-Priority``), highest first; a class's rank is its index (0 high, 1 normal, 2 low).
 PRIORITIES = ("high", "normal", "low")
 HIGH, NORMAL, LOW = range(3)
@@ -361,11 +364,15 @@ class AdmissionGate:
 
     def __init__(self, name: str, max_batch_size: int, concurrent_batches: int, queue_delay_ms: float,
                  meter: ThroughputMeter, workers: int = 1, mode: str = "full",
-                 service: ServiceTime | None = None) -> None:
+                 service: ServiceTime | None = None, prediction: str = "meter") -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         if mode not in ADMISSION_MODES:
             raise ValueError(f"admission mode {mode!r} is not one of {ADMISSION_MODES}")
+        if prediction not in PREDICTIONS:
+            raise ValueError(f"prediction {prediction!r} is not one of {PREDICTIONS}")
+        #: How completion is predicted (``PREDICTIONS``): ``meter`` or ``service`` (``completion_s``).
+        self.prediction = prediction
         self.name = name
         self.mode = mode
         self.max_batch_size = max_batch_size
@@ -376,8 +383,8 @@ class AdmissionGate:
         self.window = max(1, (concurrent_batches + 1) * max_batch_size // workers)
         self.queue_delay_ms = queue_delay_ms
         self.meter = meter
-        #: The runner's measured compute and overhead, which predict completion once observed (unless the
-        #: throughput is fixed by configuration); ``observe`` feeds it.
+        #: The runner's measured compute and overhead (``observe`` feeds it, ``/stats`` shows it); with
+        #: ``prediction`` "service" they predict completion once observed, unless the throughput is fixed.
         self.service = service if service is not None else ServiceTime(1 / workers, concurrent_batches)
         self.dispatched = 0
         self.queued = 0  # tickets reserved or waiting, not dispatched yet
@@ -440,17 +447,22 @@ class AdmissionGate:
 
         When at least a full batch is in line, ``images`` is rounded up to whole
         batches, because a batch is answered only when all of it is done (this
-        worker's images and time per image, so its ``batch_share``). Then, once the
-        runner has answered, ``ServiceTime.completion_s`` (overhead plus images × the
-        runner's compute per image); before that, or with the throughput fixed by
-        configuration, images × the meter's time per image. 0 before anything was measured.
+        worker's images and time per image, so its ``batch_share``). Then images × the
+        meter's time per image; with ``prediction`` "service", once the runner has
+        answered and unless the throughput is fixed by configuration,
+        ``ServiceTime.completion_s`` (overhead plus images × the runner's compute per
+        image) instead. 0 before anything was measured.
         """
         if images > self.batch_share:
             images = math.ceil(images / self.batch_share) * self.batch_share
-        if self.service.ready and self.meter.override_ips <= 0:
+        if self._from_service():
             return self.service.completion_s(images)
         ms = self.meter.ms_per_image
         return 0.0 if ms is None else images * ms / 1000.0
+
+    def _from_service(self) -> bool:
+        """Whether ``ServiceTime`` predicts: ``prediction`` "service", an answer observed, no fixed throughput."""
+        return self.prediction == "service" and self.service.ready and self.meter.override_ips <= 0
 
     def observe(self, latency_s: float, images_in_line: int, inference_ms: float, batch_size: int) -> None:
         """A runner answer for a dispatched image (in time or late): feeds ``service`` (``ServiceTime.observe``)."""
@@ -458,9 +470,9 @@ class AdmissionGate:
 
     @property
     def compute_s_per_image(self) -> float | None:
-        """The runner's compute per image for this worker (``ServiceTime.compute_s``), else the meter's time per
-        image (s); None before either was measured."""
-        if self.service.ready and self.meter.override_ips <= 0:
+        """Seconds per image this gate predicts with (s): the meter's time per image, or with ``prediction``
+        "service" (``_from_service``) the runner's compute per image for this worker; None before a measurement."""
+        if self._from_service():
             return self.service.compute_s
         ms = self.meter.ms_per_image
         return None if ms is None else ms / 1000.0

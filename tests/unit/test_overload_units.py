@@ -270,7 +270,8 @@ def test_gate_predicts_from_the_runners_compute_not_the_meter_once_answers_came(
     now = [0.0]
     meter = ThroughputMeter(tau_s=5.0, clock=lambda: now[0])
     meter.seed(50.0)
-    gate = AdmissionGate("m", max_batch_size=16, concurrent_batches=1, queue_delay_ms=200, meter=meter)
+    gate = AdmissionGate("m", max_batch_size=16, concurrent_batches=1, queue_delay_ms=200, meter=meter,
+                         prediction="service")
     meter.busy(True)
     for _ in range(100):  # 4 images dispatched, each answered 400 ms later: 10 img/s on the meter
         now[0] += 0.1
@@ -281,8 +282,16 @@ def test_gate_predicts_from_the_runners_compute_not_the_meter_once_answers_came(
     gate.dispatched = 7  # 7 ahead + itself: 0.2 s of travel + 8 x 50 ms, within a 0.7 s budget
     assert gate.predicted_s("normal") == pytest.approx(0.6, abs=0.01)
     gate.reserve("normal", budget_s=0.7).cancel()
-    # A throughput fixed by configuration is what the operator asked for: the meter predicts.
+    # The default prediction is the meter's, fed or not; a throughput fixed by configuration is what the operator
+    # asked for: the meter predicts then too.
+    default = AdmissionGate("d", max_batch_size=16, concurrent_batches=1, queue_delay_ms=200,
+                            meter=ThroughputMeter(override_ips=0))
+    default.meter.seed(100.0)
+    default.observe(latency_s=0.4, images_in_line=4, inference_ms=50.0, batch_size=1)
+    assert default.service.ready and default.completion_s(3) == pytest.approx(0.3)
+    with pytest.raises(ValueError):
+        AdmissionGate("x", max_batch_size=16, concurrent_batches=1, queue_delay_ms=200, meter=meter, prediction="guess")
     fixed = AdmissionGate("f", max_batch_size=16, concurrent_batches=1, queue_delay_ms=200,
-                          meter=ThroughputMeter(override_ips=10))
+                          meter=ThroughputMeter(override_ips=10), prediction="service")
     fixed.observe(latency_s=0.4, images_in_line=4, inference_ms=50.0, batch_size=1)
     assert fixed.completion_s(3) == pytest.approx(0.3) and fixed.compute_s_per_image == pytest.approx(0.1)
