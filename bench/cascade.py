@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness import SLO_MS, Service, Sizes, machine, ratio, scenario_parser
+from bench.harness import SLO_MS, Service, Sizes, machine, ratio, run_scenario
 from bench.ramp import FULL_KNEE_DEGRADED_RATE, knee, ramp
 
 __all__ = ["AGREEMENT_DEADLINE_MS", "scenario_bodies", "answers_one_at_a_time", "cascade_arm", "cascade_scenario",
@@ -123,9 +123,7 @@ def run(out: Path, quick: bool, command: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.cascade [--out DIR] [--quick]``: ``run`` with this command recorded."""
-    args = scenario_parser("python -m bench.cascade", __doc__, quick_help="24 images, tiny steps: proves the command").parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    return run(args.out, args.quick, "python -m bench.cascade" + (" --quick" if args.quick else ""))
+    return run_scenario("python -m bench.cascade", __doc__, run, argv, quick_help="24 images, tiny steps: proves the command")
 
 
 if __name__ == "__main__":

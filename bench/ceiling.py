@@ -60,7 +60,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.harness import ServerCpu, Service, machine, private_bentoml_home, ratio, scenario_parser
+from bench.harness import ServerCpu, Service, machine, private_bentoml_home, ratio, run_scenario
 from bench.loadgen import closed_loop_round, run_sync
 
 __all__ = ["NEAR_FREE_NAME", "near_free_onnx", "phone_jpeg", "small_png", "start_import", "finish_import", "grouped",
@@ -420,10 +420,8 @@ def run(out: Path, quick: bool, command: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.ceiling [--out bench_results] [--quick]`` (also ``python -m bench.load_bench --ceiling-only``)."""
-    args = scenario_parser("python -m bench.ceiling", __doc__, quick_help="Rampart with 2 API workers and the naive "
-                           "baseline only, 1 s rounds: proves the command").parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    return run(args.out, args.quick, "python -m bench.ceiling" + (" --quick" if args.quick else ""))
+    return run_scenario("python -m bench.ceiling", __doc__, run, argv, quick_help="Rampart with 2 API workers and the naive "
+                        "baseline only, 1 s rounds: proves the command")
 
 
 if __name__ == "__main__":

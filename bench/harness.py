@@ -40,6 +40,7 @@ from bench.process_cpu import ROLES, ServerCpu, process_role, server_processes
 
 __all__ = ["ROOT", "BIN", "SLO_MS", "START_TIMEOUT_S", "STOP_TIMEOUT_S", "Sizes", "private_bentoml_home", "free_port",
            "stop_process_group", "signal_tree", "stop_tree", "Server", "Service", "Replica", "measure_service", "scenario_parser",
+           "run_scenario",
            "machine", "ratio",
            "ROLES", "ServerCpu", "process_role", "server_processes"]
 
@@ -301,6 +302,15 @@ def scenario_parser(prog: str, description: str, service: bool = False,
     parser.add_argument("--quick", action="store_true", help=quick_help)
     return parser
 
+
+
+def run_scenario(prog: str, description: str, run, argv: list[str] | None = None, **parser_options) -> int:
+    """A scenario's command: parse ``scenario_parser(prog, description, **parser_options)``, create ``--out`` and
+    return ``run(out, quick, command)``, where ``command`` is ``prog`` (with `` --quick`` when given), recorded in
+    the scenario's JSON."""
+    args = scenario_parser(prog, description, **parser_options).parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    return run(args.out, args.quick, prog + (" --quick" if args.quick else ""))
 
 class Replica(Server):
     """One ``bentoml serve service:Rampart`` on 127.0.0.1:``port`` with its own BENTOML_HOME under ``run_dir``

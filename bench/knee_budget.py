@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from bench.harness import SLO_MS, Service, Sizes, machine, measure_service, ratio, scenario_parser
+from bench.harness import SLO_MS, Service, Sizes, machine, measure_service, ratio, run_scenario
 from bench.loadgen import closed_loop, load_bodies, run_sync, summarize
 from bench.peers import skipped_peer
 from bench.ramp import ramp
@@ -94,9 +94,7 @@ def run(out: Path, quick: bool, command: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.knee_budget [--out DIR] [--quick]``: ``run`` with this command recorded."""
-    args = scenario_parser("python -m bench.knee_budget", __doc__).parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    return run(args.out, args.quick, "python -m bench.knee_budget" + (" --quick" if args.quick else ""))
+    return run_scenario("python -m bench.knee_budget", __doc__, run, argv)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from bench.baselines import triton_pytriton
-from bench.harness import SLO_MS, Sizes, machine, measure_service, ratio, scenario_parser
+from bench.harness import SLO_MS, Sizes, machine, measure_service, ratio, run_scenario
 from bench.loadgen import load_bodies
 from bench.overload import ramp_and_overload
 
@@ -74,9 +74,7 @@ def run(out: Path, quick: bool, command: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m bench.peers [--out DIR] [--quick]``: ``run`` with this command recorded."""
-    args = scenario_parser("python -m bench.peers", __doc__).parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    return run(args.out, args.quick, "python -m bench.peers" + (" --quick" if args.quick else ""))
+    return run_scenario("python -m bench.peers", __doc__, run, argv)
 
 
 if __name__ == "__main__":
