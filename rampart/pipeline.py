@@ -280,10 +280,12 @@ class Classifier:
         decoder's own ``ImageError``.
         """
         try:
-            rank = DECODE_RANK["first" if getattr(admission, self.order[0].role) is not None else "second"]
+            first_holds = getattr(admission, self.order[0].role) is not None
+            rank = DECODE_RANK["first" if first_holds else "second"]
             klass = priority_rank(priority)
             rank += LOW_DECODE_RANK if klass == LOW else 0
-            prepared = await self.pool.run(prepare, data, self.plan, high=klass == HIGH, rank=rank, budget_s=deadline.remaining_s(),
+            prepared = await self.pool.run(prepare, data, self.plan, self._decode_role(admission), high=klass == HIGH,
+                                           rank=rank, budget_s=deadline.remaining_s(),
                                            run_limit_s=self.settings.decode_timeout_ms / 1000)
         except JobTimeout as exc:
             if exc.by_run_limit:
@@ -293,6 +295,23 @@ class Classifier:
             raise CorruptImage(f"the image could not be decoded: {exc}") from None
         metrics.INPUT_MEGAPIXELS.observe(prepared.declared_size[0] * prepared.declared_size[1] / 1e6)
         return prepared
+
+    def _decode_role(self, admission: Admission) -> str | None:
+        """The model whose bucket the decode worker fits (``prepare``'s ``role``).
+
+        The fallback when the request holds a place only with it, having lost its place with
+        the primary-first routing's first model: the fallback is then the only model that can
+        answer, and its input is made from the decoded frame rather than by resizing the
+        primary's array (which changed the fallback's top-1 on a few percent of the
+        evaluation images, ``bench.decode_agreement``). Else None, the plan's base role (the
+        primary), from whose array ``model_input`` makes the fallback's input if the primary
+        then fails. In cascade mode always the base role: the primary may be asked after the
+        fallback.
+        """
+        if self.cascade or len(self.order) < 2 or getattr(admission, self.order[0].role) is not None:
+            return None
+        second = self.order[1].role
+        return second if getattr(admission, second) is not None else None
 
     async def warm_up_decoders(self) -> None:
         """Decode one generated 640×480 JPEG on every decode worker at once, before the service reports ready.

@@ -75,15 +75,18 @@ class Prepared:
     base: str = "primary"
 
 
-def prepare(data: bytes, plan: DecodePlan) -> Prepared:
-    """Decode ``data`` within ``plan.limits``, shrunk as far as the base role's bucket allows, and fit it there.
+def prepare(data: bytes, plan: DecodePlan, role: str | None = None) -> Prepared:
+    """Decode ``data`` within ``plan.limits``, shrunk as far as ``role``'s bucket allows, and fit it there.
 
-    Raises what ``rampart.inputs.decoding.decode_image`` raises (``ImageError`` subclasses
-    only). Under the decode-hang fault it first blocks until the fault ends.
+    ``role`` (a key of ``plan.buckets``): the model about to run; default ``plan.base_role``
+    (the model with the largest input), whose array the other model's input can be made from.
+    The returned ``Prepared.base`` is that role. Raises what
+    ``rampart.inputs.decoding.decode_image`` raises (``ImageError`` subclasses only). Under the
+    decode-hang fault it first blocks until the fault ends.
     """
     FaultInjector("decode", FaultSpec(hang=plan.fault_hang), plan.fault_file).hold_while_hung()
     relax_metadata_limits(plan.limits.max_body_bytes)
-    role = plan.base_role
+    role = role or plan.base_role
     buckets = plan.buckets[role]
     decoded = decode_image(data, plan.limits, shrink_rule(buckets, plan.crop_margin, plan.oversample))
     bucket = choose_bucket(*decoded.upright_size, buckets)

@@ -12,6 +12,7 @@ from rampart import errors
 from rampart.inputs.buckets import buckets_for_resolution
 from rampart.config import Settings
 from rampart.overload.deadline import Deadline
+from rampart.inputs.decode_job import model_input, prepare
 from rampart.pipeline import Classifier, ModelEndpoint
 from rampart.inputs.pool import BoundedPool
 from tests.support import encode, photo
@@ -109,3 +110,21 @@ def test_the_fallbacks_input_is_made_only_when_the_fallback_is_called(primary_fa
     else:
         assert fallback_calls == [] and answer["model"]["name"] == "primary"
         assert set(answer.inputs) == {"primary"}  # no second resize for a model that was not asked
+
+
+def test_an_upload_sent_to_the_fallback_at_admission_is_decoded_for_the_fallback():
+    """The fallback's input is fitted from the decoded frame, not resized from a primary array no model asked for."""
+    primary, primary_calls = recording_endpoint("primary", 260, 1)
+    fallback, fallback_calls = recording_endpoint("fallback", 224, 2)
+    chain = Classifier(Settings(), primary, fallback, BoundedPool(2, 8))
+    while chain.primary.gate.refusal(False, 10.0) is None:  # fill the primary's gate
+        chain.primary.gate.reserve(False, 10.0)
+    data = encode(photo("chelsea"))
+    answer = asyncio.run(chain.classify(data, 3, Deadline(5_000)))
+    assert answer["degraded_reason"] == "primary_overloaded" and primary_calls == []
+    assert fallback_calls == [("landscape", (224, 298, 3))] and set(answer.inputs) == {"fallback"}
+    direct = prepare(data, chain.plan, "fallback")
+    assert direct.base == "fallback"
+    assert (answer.inputs["fallback"][1] == direct.inputs["fallback"][1]).all()
+    from_primary = model_input(prepare(data, chain.plan), "fallback", fallback.buckets)[1]
+    assert (answer.inputs["fallback"][1] != from_primary).any()  # the two ways differ: the test sees which ran
