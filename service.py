@@ -61,7 +61,7 @@ from rampart.cores import place_this_process
 from rampart.inputs.buckets import buckets_for_resolution
 from rampart.overload.looplag import LoopLagMonitor
 from rampart.coalesce import Coalescer
-from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
+from rampart.pipeline import Classifier, ModelEndpoint, RunnerResult, decode_pool
 from rampart.shadow import ShadowMirror, models_busy
 from rampart.telemetry import metrics
 from runners.common import RunnerItem
@@ -100,17 +100,13 @@ def model_endpoint(tag: str, runner, max_items: int = 1,
     coalescer = Coalescer(send, lambda item: item.deadline_epoch_s, max_items=max(max_items, 1),
                           in_flight=settings.runner_calls_in_flight, item_cost_s=item_cost_s)
 
-    async def call(bucket_name: str, pixels, deadline_epoch_s: float) -> RunnerAnswer:
+    async def call(bucket_name: str, pixels, deadline_epoch_s: float) -> RunnerResult:
         item = RunnerItem(pixels=pixels, deadline_epoch_s=deadline_epoch_s)
         if settings.runner_coalescing:
             result = await coalescer.call(bucket_name, item)
         else:
             (result,) = await send(bucket_name, [item])
-        return RunnerAnswer(
-            probs=None if result.expired else result.probs,
-            inference_ms=result.inference_ms,
-            batch_size=result.batch_size,
-        )
+        return RunnerResult.from_wire(result)
 
     return ModelEndpoint(
         name=stored.tag.name,

@@ -80,13 +80,13 @@ from rampart.overload.deadline import Deadline, Share
 from rampart.inputs.decode_job import DecodePlan, Prepared, model_input, prepare
 from rampart.inputs.decoding import DecodeLimits
 from rampart.errors import CorruptImage, DecodeTimeout, Overloaded
-from rampart.lane import Attempt, ModelEndpoint, ModelLane, RunnerAnswer
+from rampart.lane import Attempt, ModelEndpoint, ModelLane, RunnerResult
 from rampart.inputs.pool import BoundedPool, JobTimeout, WorkerDied
 from rampart.results import MAX_TOP_K, confidences, label_entries, top_classes
 from rampart.shadow import AnsweredBody
 
-#: ``RunnerAnswer`` and ``ModelEndpoint`` live in ``rampart.lane``; they are importable from here too.
-__all__ = ["RunnerAnswer", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "decode_plan", "decode_pool",
+#: ``RunnerResult`` and ``ModelEndpoint`` live in ``rampart.lane``; they are importable from here too.
+__all__ = ["RunnerResult", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "decode_plan", "decode_pool",
            "ROUTES"]
 
 logger = logging.getLogger("rampart.pipeline")
@@ -440,7 +440,7 @@ class Classifier:
         self.recent_confidences.append(value)
         return value
 
-    def _model_answer(self, lane: ModelLane, answer: RunnerAnswer, prepared: Prepared, top_k: int, decode_ms: float,
+    def _model_answer(self, lane: ModelLane, answer: RunnerResult, prepared: Prepared, top_k: int, decode_ms: float,
                       start: float, reason: str | None, route: str) -> dict:
         """The body for ``lane``'s ``answer``, reached by ``route`` (``ROUTES``); its top classes are cached first.
 

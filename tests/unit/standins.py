@@ -16,7 +16,7 @@ from rampart.api.routing import JSONRouteErrors
 from rampart.config import Settings
 from rampart.inputs.buckets import buckets_for_resolution
 from rampart.inputs.pool import BoundedPool
-from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
+from rampart.pipeline import Classifier, ModelEndpoint, RunnerResult, decode_pool
 from tests.support import encode, photo
 
 #: The stand-ins' class names: 1000 classes, like the default ImageNet-1k models.
@@ -40,7 +40,7 @@ class StandIn:
         self.delay_s = 0.0
         self.deadlines: list[float] = []
 
-    async def call(self, bucket_name: str, pixels: np.ndarray, deadline: float) -> RunnerAnswer:
+    async def call(self, bucket_name: str, pixels: np.ndarray, deadline: float) -> RunnerResult:
         self.calls += 1
         self.deadlines.append(deadline)
         if self.delay_s:
@@ -50,15 +50,15 @@ class StandIn:
         if self.mode == "hang":
             await asyncio.sleep(3600)
         if self.mode == "expired":
-            return RunnerAnswer(probs=None, inference_ms=0.0, batch_size=1)
+            return RunnerResult(probs=None, inference_ms=0.0, batch_size=1)
         if self.mode == "garbage":
-            return RunnerAnswer(probs="not an array", inference_ms=1.0, batch_size=1)
+            return RunnerResult(probs="not an array", inference_ms=1.0, batch_size=1)
         others = len(LABELS) - 1 - (self.runner_up > 0)
         probs = np.full(len(LABELS), (1.0 - self.score - self.runner_up) / others, dtype=np.float32)
         probs[self.best] = self.score
         if self.runner_up > 0:
             probs[0] = self.runner_up
-        return RunnerAnswer(probs=probs, inference_ms=1.0, batch_size=1)
+        return RunnerResult(probs=probs, inference_ms=1.0, batch_size=1)
 
     def endpoint(self, name: str, resolution: int) -> ModelEndpoint:
         """This stand-in as the pipeline's ``ModelEndpoint`` named ``name``, with the buckets of ``resolution``."""

@@ -109,3 +109,17 @@ def test_the_fallbacks_input_is_made_only_when_the_fallback_is_called(primary_fa
     else:
         assert fallback_calls == [] and answer["model"]["name"] == "primary"
         assert set(answer.inputs) == {"primary"}  # no second resize for a model that was not asked
+
+
+def test_a_runner_result_off_the_wire_keeps_its_fields_and_an_expired_one_has_no_probs():
+    """``RunnerResult.from_wire``: the runner's pydantic ``RunnerResult`` as the pipeline holds it."""
+    import numpy as np
+
+    from rampart.pipeline import RunnerResult
+    from runners.common import RunnerResult as WireResult
+
+    probs = np.full(5, 0.2, dtype=np.float32)
+    live = RunnerResult.from_wire(WireResult(probs=probs, batch_size=3, inference_ms=7.5))
+    assert live.probs is probs and (live.expired, live.batch_size, live.inference_ms) == (False, 3, 7.5)
+    dropped = RunnerResult.from_wire(WireResult(expired=True))
+    assert dropped.probs is None and (dropped.expired, dropped.batch_size, dropped.inference_ms) == (True, 0, 0.0)
