@@ -61,7 +61,7 @@ from rampart.cores import place_this_process
 from rampart.inputs.buckets import buckets_for_resolution
 from rampart.overload.looplag import LoopLagMonitor
 from rampart.coalesce import Coalescer
-from rampart.pipeline import Classifier, ModelEndpoint, RunnerResult, decode_pool
+from rampart.pipeline import Pipeline, ModelEndpoint, RunnerResult, decode_pool
 from rampart.shadow import ShadowMirror, models_busy
 from rampart.telemetry import metrics
 from runners.common import RunnerItem
@@ -178,7 +178,7 @@ class Rampart:
 
     def __init__(self) -> None:
         place_this_process("api", settings)  # before the decode pool, whose workers inherit the cores
-        self.classifier = Classifier(
+        self.classifier = Pipeline(
             settings,
             model_endpoint(settings.primary_model, self.primary, settings.primary_max_batch_size,
                            lambda: self.seconds_per_image("primary")),

@@ -47,7 +47,7 @@ from rampart.config import Settings
 from rampart.cores import usable_cores
 from rampart.errors import InternalError, InvalidParameter, Overloaded, RampartError, Unavailable
 from rampart.overload.deadline import Deadline
-from rampart.pipeline import Classifier
+from rampart.pipeline import Pipeline
 from rampart.shadow import ShadowMirror
 from rampart.telemetry import metrics
 from rampart.telemetry.accesslog import log_request, server_timing
@@ -90,7 +90,7 @@ class AppState:
     ``runner_stats`` (for ``GET /stats``) and ``shadow`` (the shadow-traffic mirror, or None)."""
 
     settings: Settings
-    classifier: Classifier | None = None
+    classifier: Pipeline | None = None
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # not ready until attached and marked ready
     loop_lag_ms: Callable[[], float] = lambda: 0.0
     runner_stats: RunnerStats = _no_runner_stats
@@ -122,7 +122,7 @@ def state_of(app: Starlette) -> AppState:
     return app.state.rampart
 
 
-def create_app(settings: Settings, *, classifier: Classifier | None = None, lifecycle: Lifecycle | None = None,
+def create_app(settings: Settings, *, classifier: Pipeline | None = None, lifecycle: Lifecycle | None = None,
                loop_lag_ms: Callable[[], float] | None = None, runner_stats: RunnerStats | None = None) -> Starlette:
     """The Starlette app of Rampart's routes (module doc) for ``settings``.
 
@@ -145,7 +145,7 @@ def create_app(settings: Settings, *, classifier: Classifier | None = None, life
     return app
 
 
-def attach(app: Starlette, *, classifier: Classifier | None = None, lifecycle: Lifecycle | None = None,
+def attach(app: Starlette, *, classifier: Pipeline | None = None, lifecycle: Lifecycle | None = None,
            loop_lag_ms: Callable[[], float] | None = None, runner_stats: RunnerStats | None = None,
            shadow: ShadowMirror | None = None) -> AppState:
     """Give ``app``'s routes what they serve with; each argument left as None keeps what the app has.
@@ -211,7 +211,7 @@ async def read_images(call: Call, state: AppState, field: str, max_files: int,
 
     Reads ``top_k``, ``X-Deadline-Ms`` and ``X-Priority`` into ``call`` (``InvalidParameter``),
     refuses a non-multipart body unless ``raw_body`` (``InvalidParameter``), sheds with
-    ``Overloaded`` (429) before the body is read (``Classifier.check_capacity``), then reads
+    ``Overloaded`` (429) before the body is read (``Pipeline.check_capacity``), then reads
     ``(filename, bytes)`` of 1..``max_files`` parts named ``field``, or the raw body as one
     image named ``""`` (errors: ``rampart.api.http.read_multipart`` / ``read_body``). A
     multipart body may carry ``top_k`` as a field instead of the query (BentoML's client sends
@@ -275,7 +275,7 @@ async def classify_batch(request: Request, state: AppState) -> Response:
                         headers={"X-Request-Id": call.request_id, "Server-Timing": server_timing(timings)})
 
 
-async def _batch_entry(classifier: Classifier, call: Call, index: int, filename: str, data: bytes) -> dict:
+async def _batch_entry(classifier: Pipeline, call: Call, index: int, filename: str, data: bytes) -> dict:
     """One ``/classify_batch`` entry: ``index``, ``filename`` and the result, or ``status`` and ``error``."""
     entry = {"index": index, "filename": filename}
     try:

@@ -13,11 +13,11 @@ Routes (``routes()``; ``{name}`` is ``rampart``, the served pipeline; each also 
 - ``GET /v2/models/stats``, ``GET /v2/models/{name}/stats``: the statistics extension, from
   this API worker's counts of its ``/v2`` inference requests (``InferenceStatistics``).
 
-Every image of an inference request goes through ``Classifier.classify``, the call
+Every image of an inference request goes through ``Pipeline.classify``, the call
 ``/classify`` makes: the same decode, caps, admission, deadline and fallback chain.
 The body is read with ``rampart.api.http.body_chunks`` under ``/classify_batch``'s byte cap
 (``max_batch_images`` × (``max_body_bytes`` + multipart overhead)), decompressed
-incrementally under the same cap, within the deadline, after ``Classifier.check_capacity``
+incrementally under the same cap, within the deadline, after ``Pipeline.check_capacity``
 (so shedding still costs nothing); it is parsed in a worker thread within the deadline,
 each limit (``Limits``) checked before any tensor is split or converted.
 
@@ -150,7 +150,7 @@ MAX_INDEX_BODY_BYTES = 4096
 class Backend(Protocol):
     """What the routes need from the app's state (``rampart.api.app.AppState``)."""
 
-    classifier: Any  # rampart.pipeline.Classifier
+    classifier: Any  # rampart.pipeline.Pipeline
     lifecycle: Any  # rampart.api.lifecycle.Lifecycle
 
     def loop_lag_ms(self) -> float: ...
@@ -559,7 +559,7 @@ def _response_parameters(results: list[dict], request_id: str) -> dict:
 
 def encode_infer_response(parsed: InferRequest, results: list[dict], top_k: int, request_id: str,
                           model_version: str) -> Response:
-    """The ``/infer`` answer for ``results`` (``Classifier.classify`` bodies, one per image).
+    """The ``/infer`` answer for ``results`` (``Pipeline.classify`` bodies, one per image).
 
     Outputs are binary (with ``Inference-Header-Content-Length``) where the request asked
     for it, per output (``binary_data``) or for all (``binary_data_output``); JSON otherwise.
@@ -712,7 +712,7 @@ class InferenceStatistics:
     last_inference: int = 0
 
     def answered(self, results: list[dict], elapsed_ms: float, encode_ms: float) -> None:
-        """Count a request answered 200 with ``results`` (``Classifier.classify`` bodies) after ``elapsed_ms``,
+        """Count a request answered 200 with ``results`` (``Pipeline.classify`` bodies) after ``elapsed_ms``,
         its answer encoded in ``encode_ms``."""
         self.success.add(elapsed_ms)
         for stage, duration in (("queue", self.queue), ("decode", self.compute_input),

@@ -16,7 +16,7 @@ from rampart.api.routing import JSONRouteErrors
 from rampart.config import Settings
 from rampart.inputs.buckets import buckets_for_resolution
 from rampart.inputs.pool import BoundedPool
-from rampart.pipeline import Classifier, ModelEndpoint, RunnerResult, decode_pool
+from rampart.pipeline import Pipeline, ModelEndpoint, RunnerResult, decode_pool
 from tests.support import encode, photo
 
 #: The stand-ins' class names: 1000 classes, like the default ImageNet-1k models.
@@ -66,15 +66,15 @@ class StandIn:
 
 
 def stand_in_classifier(settings: Settings, primary: StandIn, fallback: StandIn, pool: BoundedPool | None = None,
-                        names: tuple[str, str] = ("primary", "fallback")) -> Classifier:
-    """A real ``rampart.pipeline.Classifier`` on two stand-ins: ``primary`` at 260 px and ``fallback`` at 224 px
+                        names: tuple[str, str] = ("primary", "fallback")) -> Pipeline:
+    """A real ``rampart.pipeline.Pipeline`` on two stand-ins: ``primary`` at 260 px and ``fallback`` at 224 px
     (the default models' resolutions), named ``names``, decoding on ``pool`` (default a 2-thread pool with 8 places)."""
-    return Classifier(settings, primary.endpoint(names[0], 260), fallback.endpoint(names[1], 224),
-                      pool or BoundedPool(2, 8))
+    return Pipeline(settings, primary.endpoint(names[0], 260), fallback.endpoint(names[1], 224),
+                    pool or BoundedPool(2, 8))
 
 
 def stand_in_chain(settings: Settings, pool: BoundedPool | None = None, fail: bool = False,
-                   delay_s: float = 0.0) -> Classifier:
+                   delay_s: float = 0.0) -> Pipeline:
     """``stand_in_classifier`` with a primary answering class 1 (raising when ``fail``, slept ``delay_s`` s
     before answering) and a fallback answering class 2."""
     primary, fallback = StandIn(1), StandIn(2)
@@ -83,7 +83,7 @@ def stand_in_chain(settings: Settings, pool: BoundedPool | None = None, fail: bo
     return stand_in_classifier(settings, primary, fallback, pool)
 
 
-def served_classifier(settings: Settings, primary: StandIn, fallback: StandIn) -> Classifier:
+def served_classifier(settings: Settings, primary: StandIn, fallback: StandIn) -> Pipeline:
     """``stand_in_classifier`` as the service builds it: the models named ``SERVED_NAMES``, decoding on the
     settings' own pool (``rampart.pipeline.decode_pool``)."""
     return stand_in_classifier(settings, primary, fallback, decode_pool(settings), SERVED_NAMES)
@@ -96,7 +96,7 @@ class Rig:
     client: TestClient
     primary: StandIn
     fallback: StandIn
-    classifier: Classifier
+    classifier: Pipeline
     lifecycle: Lifecycle
 
 

@@ -1,6 +1,6 @@
 """The HTTP layer in-process: ``rampart.api.app.create_app`` through Starlette's ``TestClient``, no server.
 
-The app gets a real ``rampart.pipeline.Classifier`` on a thread decode pool, whose
+The app gets a real ``rampart.pipeline.Pipeline`` on a thread decode pool, whose
 two models are stand-ins (``StandIn``): they answer fixed probabilities, or raise,
 hang, or drop the item as expired, to inject each fault on purpose (the ``rig`` and
 ``make_rig`` fixtures of tests/unit/conftest.py, built by ``tests.unit.standins.open_rig``). Every 4xx the

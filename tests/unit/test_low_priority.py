@@ -10,7 +10,7 @@ from rampart import errors
 from rampart.config import Settings
 from rampart.overload.admission import AdmissionGate, Shed, ThroughputMeter
 from rampart.overload.deadline import Deadline
-from rampart.pipeline import Classifier
+from rampart.pipeline import Pipeline
 from tests.support import encode, photo
 from tests.unit.standins import StandIn, stand_in_classifier
 
@@ -106,7 +106,7 @@ def test_low_is_dispatched_a_quarter_batch_at_a_time_so_normal_is_dispatched_at_
     assert g.dispatched == 0 and g.queued == 0
 
 
-def classifier(primary: StandIn, fallback: StandIn, **settings) -> Classifier:
+def classifier(primary: StandIn, fallback: StandIn, **settings) -> Pipeline:
     return stand_in_classifier(Settings(**settings), primary, fallback)
 
 

@@ -1,4 +1,4 @@
-"""``rampart.pipeline.Classifier`` with stand-in model endpoints: decode bounds and the chain, no server."""
+"""``rampart.pipeline.Pipeline`` with stand-in model endpoints: decode bounds and the chain, no server."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from rampart import errors
 from rampart.inputs.buckets import buckets_for_resolution
 from rampart.config import Settings
 from rampart.overload.deadline import Deadline
-from rampart.pipeline import Classifier, ModelEndpoint
+from rampart.pipeline import Pipeline, ModelEndpoint
 from rampart.inputs.pool import BoundedPool
 from tests.support import encode, photo
 from tests.unit.standins import LABELS, StandIn, stand_in_chain
@@ -100,7 +100,7 @@ def recording_endpoint(name: str, resolution: int, best: int, fail: bool = False
 def test_the_fallbacks_input_is_made_only_when_the_fallback_is_called(primary_fails):
     primary, primary_calls = recording_endpoint("primary", 260, 1, fail=primary_fails)
     fallback, fallback_calls = recording_endpoint("fallback", 224, 2)
-    chain = Classifier(Settings(), primary, fallback, BoundedPool(2, 8))
+    chain = Pipeline(Settings(), primary, fallback, BoundedPool(2, 8))
     answer = asyncio.run(chain.classify(encode(photo("chelsea")), 3, Deadline(5_000)))
     assert primary_calls == [("landscape", (260, 346, 3))]
     if primary_fails:
