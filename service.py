@@ -10,7 +10,7 @@ bodies and status codes exactly; BentoML's own ``/readyz``, ``/livez`` and
 Routes:
 - ``/classify``, ``/classify_batch``, ``/stats`` and ``/v2/...``: the Starlette app of
   ``rampart.api.app.create_app``, made at import (``@bentoml.asgi_app`` needs it then) and
-  given its classifier and lifecycle by ``Rampart.__init__`` (``rampart.api.app.attach``).
+  given its pipeline and lifecycle by ``Rampart.__init__`` (``rampart.api.app.attach``).
 - any other path or method: JSON 404/405 (``rampart.api.routing.JSONRouteErrors``).
 - ``POST /bentoml/classify`` and ``POST /bentoml/classify_batch``: ``/classify`` and
   ``/classify_batch`` as BentoML APIs, for ``bentoml.SyncHTTPClient`` and BentoML's OpenAPI
@@ -61,7 +61,7 @@ from rampart.cores import place_this_process
 from rampart.inputs.buckets import buckets_for_resolution
 from rampart.overload.looplag import LoopLagMonitor
 from rampart.coalesce import Coalescer
-from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
+from rampart.pipeline import Pipeline, ModelEndpoint, RunnerResult, decode_pool
 from rampart.shadow import ShadowMirror, models_busy
 from rampart.telemetry import metrics
 from runners.common import RunnerItem
@@ -100,17 +100,13 @@ def model_endpoint(tag: str, runner, max_items: int = 1,
     coalescer = Coalescer(send, lambda item: item.deadline_epoch_s, max_items=max(max_items, 1),
                           in_flight=settings.runner_calls_in_flight, item_cost_s=item_cost_s)
 
-    async def call(bucket_name: str, pixels, deadline_epoch_s: float) -> RunnerAnswer:
+    async def call(bucket_name: str, pixels, deadline_epoch_s: float) -> RunnerResult:
         item = RunnerItem(pixels=pixels, deadline_epoch_s=deadline_epoch_s)
         if settings.runner_coalescing:
             result = await coalescer.call(bucket_name, item)
         else:
             (result,) = await send(bucket_name, [item])
-        return RunnerAnswer(
-            probs=None if result.expired else result.probs,
-            inference_ms=result.inference_ms,
-            batch_size=result.batch_size,
-        )
+        return RunnerResult.from_wire(result)
 
     return ModelEndpoint(
         name=stored.tag.name,
@@ -182,7 +178,7 @@ class Rampart:
 
     def __init__(self) -> None:
         place_this_process("api", settings)  # before the decode pool, whose workers inherit the cores
-        self.classifier = Classifier(
+        self.pipeline = Pipeline(
             settings,
             model_endpoint(settings.primary_model, self.primary, settings.primary_max_batch_size,
                            lambda: self.seconds_per_image("primary")),
@@ -191,15 +187,15 @@ class Rampart:
             decode_pool(settings),
         )
         self.loop_lag = LoopLagMonitor()
-        bound_inflight(self.classifier.inflight_limit, refuse_before_admission(http_app), ADMITTED_ROUTES)
+        bound_inflight(self.pipeline.inflight_limit, refuse_before_admission(http_app), ADMITTED_ROUTES)
         metrics.init_api_series()
         self.lifecycle = Lifecycle()
         self.shadow = None if not settings.shadow_model else ShadowMirror(
             model_endpoint(settings.shadow_model, self.shadow_runner), settings.shadow_rate,
             settings.shadow_deadline_ms, settings.shadow_max_inflight,
-            models_busy(self.classifier.primary, self.classifier.fallback),
+            models_busy(self.pipeline.primary, self.pipeline.fallback),
             getattr(self.shadow_runner, "is_ready", None))
-        attach(http_app, classifier=self.classifier, lifecycle=self.lifecycle, loop_lag_ms=self.loop_lag_ms,
+        attach(http_app, pipeline=self.pipeline, lifecycle=self.lifecycle, loop_lag_ms=self.loop_lag_ms,
                runner_stats=self.stats_of_runner, shadow=self.shadow)
         self._runners_watch: asyncio.Task | None = None
         # Move everything built at start-up out of the garbage collector's reach, so
@@ -224,7 +220,7 @@ class Rampart:
     def seconds_per_image(self, role: str) -> float | None:
         """The ``primary`` or ``fallback`` model's measured compute per image for this worker, s
         (``AdmissionGate.compute_s_per_image``); None before any measurement."""
-        return getattr(self.classifier, role).gate.compute_s_per_image or None
+        return getattr(self.pipeline, role).gate.compute_s_per_image or None
 
     def loop_lag_ms(self) -> float:
         """The event loop's recent lag (ms), kept back from each new deadline; starts the monitor."""
@@ -262,13 +258,13 @@ class Rampart:
                 break
             await asyncio.sleep(poll_s)
         warmup = {}
-        for role, lane, runner in (("primary", self.classifier.primary, self.primary),
-                                   ("fallback", self.classifier.fallback, self.fallback)):
+        for role, lane, runner in (("primary", self.pipeline.primary, self.primary),
+                                   ("fallback", self.pipeline.fallback, self.fallback)):
             counters = await runner_stats(runner)
             if counters:
                 lane.gate.meter.seed(counters["warmup_ms_per_image"])
                 warmup[role] = counters.get("warmup_s", 0.0)
-        await self.classifier.warm_up_decoders()
+        await self.pipeline.warm_up_decoders()
         self.lifecycle.mark_ready()
         mark_worker_ready()  # for the other API workers' /readyz (all_entry_workers_ready)
         since_start_s = time.time() - psutil.Process().create_time()

@@ -21,7 +21,7 @@ variants = 24 images, for ``make test``.
 
 Every image goes through the service's own preprocessing, so the models see the
 pixels production sees: encoded bytes → ``rampart.inputs.decode_job.prepare`` with a
-``DecodePlan`` built as ``rampart.pipeline.Classifier`` builds it (``rampart.pipeline.decode_plan``: decode limits
+``DecodePlan`` built as ``rampart.pipeline.Pipeline`` builds it (``rampart.pipeline.decode_plan``: decode limits
 from ``decode_limits``, each model's buckets from its resolution,
 ``crop_margin`` from the settings) → per-bucket uint8 N×H×W×3 batches stacked as
 ``runners.common.BucketedRunner.run_bucket`` stacks them → the runners' engines

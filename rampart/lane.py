@@ -33,19 +33,29 @@ from rampart.overload.breaker import STATE_VALUES, CircuitBreaker
 from rampart.inputs.buckets import Bucket
 from rampart.overload.deadline import Deadline, Share, run_within
 
-__all__ = ["RunnerAnswer", "RunnerCall", "ModelEndpoint", "Attempt", "ModelLane"]
+__all__ = ["RunnerResult", "RunnerCall", "ModelEndpoint", "Attempt", "ModelLane"]
 
 logger = logging.getLogger("rampart.pipeline")  # the lanes log as part of the pipeline, as before
 
 
 @dataclass(frozen=True)
-class RunnerAnswer:
+class RunnerResult:
     """What a runner sent back for one image: float32 ``probs`` (C,) or ``expired`` (None: the runner
-    dropped the item because its deadline had passed); ``inference_ms`` (ms) of its batch of ``batch_size``."""
+    dropped the item because its deadline had passed); ``inference_ms`` (ms) of its batch of ``batch_size``.
+
+    The pipeline's side of the runner's ``runners.common.RunnerResult`` (the pydantic model on the
+    wire, where an expired item has an ``expired`` flag and empty ``probs``): ``from_wire`` converts.
+    """
 
     probs: np.ndarray | None
     inference_ms: float
     batch_size: int
+
+    @classmethod
+    def from_wire(cls, result) -> RunnerResult:
+        """The pipeline's form of a runner's ``runners.common.RunnerResult`` ``result`` (``probs`` None when expired)."""
+        return cls(probs=None if result.expired else result.probs, inference_ms=result.inference_ms,
+                   batch_size=result.batch_size)
 
     @property
     def expired(self) -> bool:
@@ -55,7 +65,7 @@ class RunnerAnswer:
 
 #: ``call(bucket_name, pixels uint8 H×W×3, deadline_epoch_s)``: ``deadline_epoch_s`` is the end of
 #: the lane's share of the request's deadline as ``time.time()`` seconds (``Deadline.epoch_s``).
-RunnerCall = Callable[[str, np.ndarray, float], Awaitable[RunnerAnswer]]
+RunnerCall = Callable[[str, np.ndarray, float], Awaitable[RunnerResult]]
 
 
 @dataclass(frozen=True)
@@ -80,7 +90,7 @@ class ModelEndpoint:
 class Attempt:
     """One model's try: its ``answer``, or why not (``reason``) and whether it was ``shed`` before reaching the model."""
 
-    answer: RunnerAnswer | None
+    answer: RunnerResult | None
     reason: str | None = None
     shed: bool = False
 
@@ -211,7 +221,7 @@ class ModelLane:
         dispatched = False
         progress_at_dispatch = self.responses
 
-        async def admitted_call() -> RunnerAnswer:
+        async def admitted_call() -> RunnerResult:
             nonlocal dispatched, progress_at_dispatch
             async with ticket.turn(lambda: deadline.remaining_s(self.share), bucket.name):
                 dispatched, progress_at_dispatch = True, self.responses

@@ -1,6 +1,6 @@
 """The request pipeline: decode → primary → fallback → cache → static answer, within one deadline.
 
-``Classifier.classify`` is plain asyncio. It talks to the models through
+``Pipeline.classify`` is plain asyncio. It talks to the models through
 ``ModelEndpoint.call`` coroutines, so the same code runs against BentoML runner
 proxies in the service and against stand-ins in unit tests. Each model is a
 ``rampart.lane.ModelLane`` (endpoint, admission gate, breaker). A request is
@@ -53,7 +53,7 @@ primary does not answer one (shed, evicted, late, breaker open, error), an earli
 answer for the same bytes is returned (``cached_result``: it costs no model time),
 else 429 ``overloaded`` with the primary's own ``Retry-After``; never the static answer.
 
-Every answer body is built by ``Classifier._body``; model answers carry their
+Every answer body is built by ``Pipeline._body``; model answers carry their
 ``route`` (``ROUTES``), answers no model gave now carry ``route: null``.
 """
 
@@ -80,13 +80,13 @@ from rampart.overload.deadline import Deadline, Share
 from rampart.inputs.decode_job import DecodePlan, Prepared, model_input, prepare
 from rampart.inputs.decoding import DecodeLimits
 from rampart.errors import CorruptImage, DecodeTimeout, Overloaded
-from rampart.lane import Attempt, ModelEndpoint, ModelLane, RunnerAnswer
+from rampart.lane import Attempt, ModelEndpoint, ModelLane, RunnerResult
 from rampart.inputs.pool import BoundedPool, JobTimeout, WorkerDied
 from rampart.results import MAX_TOP_K, confidences, label_entries, top_classes
 from rampart.shadow import AnsweredBody
 
-#: ``RunnerAnswer`` and ``ModelEndpoint`` live in ``rampart.lane``; they are importable from here too.
-__all__ = ["RunnerAnswer", "ModelEndpoint", "Admission", "Classifier", "decode_limits", "decode_plan", "decode_pool",
+#: ``RunnerResult`` and ``ModelEndpoint`` live in ``rampart.lane``; they are importable from here too.
+__all__ = ["RunnerResult", "ModelEndpoint", "Admission", "Pipeline", "decode_limits", "decode_plan", "decode_pool",
            "ROUTES"]
 
 logger = logging.getLogger("rampart.pipeline")
@@ -102,7 +102,7 @@ ROUTES = (ROUTE_PRIMARY_FIRST, ROUTE_PRIMARY_ONLY, ROUTE_LOW_PRIORITY, *metrics.
 #: Fallback confidences kept for the quantiles in ``/stats`` (``cascade``).
 CONFIDENCE_WINDOW = 1000
 #: Decode order within a priority (``BoundedPool.run``'s ``rank``): requests holding a place with the
-#: routing's first model first, then those admitted by the second one (``Classifier._prepare``).
+#: routing's first model first, then those admitted by the second one (``Pipeline._prepare``).
 DECODE_RANK = {"first": 0, "second": 1}
 #: Added to a low-priority request's decode rank: it decodes after every normal one waiting.
 LOW_DECODE_RANK = 10
@@ -143,7 +143,7 @@ def decode_pool(settings: Settings) -> BoundedPool:
 
 @dataclass
 class Admission:
-    """The place a request took once its body was in (``Classifier.admit``): a ticket with the routing's
+    """The place a request took once its body was in (``Pipeline.admit``): a ticket with the routing's
     first model (``primary``, or ``fallback`` in cascade mode), or else one with the other model plus the
     first model's refusal ``refused``. A ticket reserved later, for the second model, is kept here too."""
 
@@ -152,11 +152,12 @@ class Admission:
     refused: Attempt | None = None
 
 
-class Classifier:
-    """Classifies one upload within its deadline, degrading honestly; see the module doc.
+class Pipeline:
+    """The request pipeline (decode, admission, primary, fallback, cache): classifies one upload
+    within its deadline, degrading honestly; see the module doc.
 
     The deadline's slices come with each ``Deadline`` (``rampart.api.http.parse_deadline``
-    cuts them from the settings with ``Deadline.sliced``); the classifier cuts none:
+    cuts them from the settings with ``Deadline.sliced``); the pipeline cuts none:
     the primary's lane spends ``Share.PRIMARY``, the fallback's and decoding ``Share.ALL``.
     """
 
@@ -459,7 +460,7 @@ class Classifier:
         self.recent_confidences.append(value)
         return value
 
-    def _model_answer(self, lane: ModelLane, answer: RunnerAnswer, prepared: Prepared, top_k: int, decode_ms: float,
+    def _model_answer(self, lane: ModelLane, answer: RunnerResult, prepared: Prepared, top_k: int, decode_ms: float,
                       start: float, reason: str | None, route: str) -> dict:
         """The body for ``lane``'s ``answer``, reached by ``route`` (``ROUTES``); its top classes are cached first.
 

@@ -30,7 +30,8 @@ class ImageRejected(RampartClientError):
 
 
 class Overloaded(RampartClientError):
-    """The server answered 429; ``retry_after`` is the Retry-After header in seconds.
+    """The server answered 429 (its ``rampart.errors.Overloaded``); ``retry_after`` is the Retry-After
+    header in seconds.
 
     ``cause`` is the body's ``error.cause``: ``capacity`` (no model has room: overload) or
     ``deadline`` (the request's own deadline was used up before the server could start on it:

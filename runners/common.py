@@ -57,10 +57,11 @@ class RunnerItem(bentoml.IODescriptor):
 
 
 class RunnerResult(bentoml.IODescriptor):
-    """One answer: float32 ``probs`` (C,), or ``expired`` (and empty ``probs``) when TTL-dropped.
+    """A runner's result for one image: float32 ``probs`` (C,), or ``expired`` (and empty ``probs``) when TTL-dropped.
 
     ``batch_size`` is how many live items shared the forward pass; ``inference_ms``
-    is its duration.
+    is its duration. This is the wire form; the entry service's pipeline holds it as
+    ``rampart.lane.RunnerResult`` (``RunnerResult.from_wire``: ``probs`` None when expired).
     """
 
     probs: np.ndarray = Field(default_factory=lambda: np.zeros(0, dtype=np.float32))

@@ -12,10 +12,10 @@ Routes:
 - ``GET /docs``: a redirect to BentoML's OpenAPI page (Swagger UI at ``/``, ``/docs.json``).
 - ``/v2/...``: the Open Inference Protocol (KServe v2 / Triton HTTP), ``rampart.api.oip``.
 
-Routes read their state (classifier, lifecycle, loop lag, runner counters) from
+Routes read their state (pipeline, lifecycle, loop lag, runner counters) from
 the ``AppState`` the app carries (``state_of(app)``), never from globals. Under
 ``bentoml serve`` the app must exist when ``service.py`` is imported
-(``@bentoml.asgi_app``), before the service instance that owns the classifier, so
+(``@bentoml.asgi_app``), before the service instance that owns the pipeline, so
 ``service.Rampart.__init__`` hands its parts over with ``attach``; an in-process
 test passes them to ``create_app`` directly. Until a lifecycle is attached and
 marked ready, every classify route answers 503 ``not_ready``.
@@ -47,7 +47,7 @@ from rampart.config import Settings
 from rampart.cores import usable_cores
 from rampart.errors import InternalError, InvalidParameter, Overloaded, RampartError, Unavailable
 from rampart.overload.deadline import Deadline
-from rampart.pipeline import Classifier
+from rampart.pipeline import Pipeline
 from rampart.shadow import ShadowMirror
 from rampart.telemetry import metrics
 from rampart.telemetry.accesslog import log_request, server_timing
@@ -85,12 +85,12 @@ async def _no_runner_stats(role: str) -> dict | None:
 
 @dataclass
 class AppState:
-    """What the routes need: ``settings``, and from ``attach`` the ``classifier``, the ``lifecycle``,
+    """What the routes need: ``settings``, and from ``attach`` the ``pipeline``, the ``lifecycle``,
     ``loop_lag_ms()`` (the event loop's recent lag, ms, kept back from each deadline),
     ``runner_stats`` (for ``GET /stats``) and ``shadow`` (the shadow-traffic mirror, or None)."""
 
     settings: Settings
-    classifier: Classifier | None = None
+    pipeline: Pipeline | None = None
     lifecycle: Lifecycle = field(default_factory=Lifecycle)  # not ready until attached and marked ready
     loop_lag_ms: Callable[[], float] = lambda: 0.0
     runner_stats: RunnerStats = _no_runner_stats
@@ -122,7 +122,7 @@ def state_of(app: Starlette) -> AppState:
     return app.state.rampart
 
 
-def create_app(settings: Settings, *, classifier: Classifier | None = None, lifecycle: Lifecycle | None = None,
+def create_app(settings: Settings, *, pipeline: Pipeline | None = None, lifecycle: Lifecycle | None = None,
                loop_lag_ms: Callable[[], float] | None = None, runner_stats: RunnerStats | None = None) -> Starlette:
     """The Starlette app of Rampart's routes (module doc) for ``settings``.
 
@@ -141,22 +141,22 @@ def create_app(settings: Settings, *, classifier: Classifier | None = None, life
     app.state.rampart = state
     app.state.classify = classify_route
     app.state.classify_batch = batch_route
-    attach(app, classifier=classifier, lifecycle=lifecycle, loop_lag_ms=loop_lag_ms, runner_stats=runner_stats)
+    attach(app, pipeline=pipeline, lifecycle=lifecycle, loop_lag_ms=loop_lag_ms, runner_stats=runner_stats)
     return app
 
 
-def attach(app: Starlette, *, classifier: Classifier | None = None, lifecycle: Lifecycle | None = None,
+def attach(app: Starlette, *, pipeline: Pipeline | None = None, lifecycle: Lifecycle | None = None,
            loop_lag_ms: Callable[[], float] | None = None, runner_stats: RunnerStats | None = None,
            shadow: ShadowMirror | None = None) -> AppState:
     """Give ``app``'s routes what they serve with; each argument left as None keeps what the app has.
 
-    ``classifier``: the pipeline; ``lifecycle``: start-up and drain state (requests are refused
-    503 until it is ready); ``loop_lag_ms()``: the event loop's recent lag in ms (default 0);
-    ``runner_stats(role)``: a runner's counters for ``GET /stats`` (default None); ``shadow``: the
-    shadow-traffic mirror (default off). Returns the state.
+    ``pipeline``: the request pipeline (``rampart.pipeline.Pipeline``); ``lifecycle``: start-up and
+    drain state (requests are refused 503 until it is ready); ``loop_lag_ms()``: the event loop's
+    recent lag in ms (default 0); ``runner_stats(role)``: a runner's counters for ``GET /stats``
+    (default None); ``shadow``: the shadow-traffic mirror (default off). Returns the state.
     """
     state = state_of(app)
-    given = {"classifier": classifier, "lifecycle": lifecycle, "loop_lag_ms": loop_lag_ms,
+    given = {"pipeline": pipeline, "lifecycle": lifecycle, "loop_lag_ms": loop_lag_ms,
              "runner_stats": runner_stats, "shadow": shadow}
     for name, value in given.items():
         if value is not None:
@@ -211,7 +211,7 @@ async def read_images(call: Call, state: AppState, field: str, max_files: int,
 
     Reads ``top_k``, ``X-Deadline-Ms`` and ``X-Priority`` into ``call`` (``InvalidParameter``),
     refuses a non-multipart body unless ``raw_body`` (``InvalidParameter``), sheds with
-    ``Overloaded`` (429) before the body is read (``Classifier.check_capacity``), then reads
+    ``Overloaded`` (429) before the body is read (``Pipeline.check_capacity``), then reads
     ``(filename, bytes)`` of 1..``max_files`` parts named ``field``, or the raw body as one
     image named ``""`` (errors: ``rampart.api.http.read_multipart`` / ``read_body``). A
     multipart body may carry ``top_k`` as a field instead of the query (BentoML's client sends
@@ -224,7 +224,7 @@ async def read_images(call: Call, state: AppState, field: str, max_files: int,
     multipart = http.is_multipart(request)
     if not multipart and not raw_body:
         raise InvalidParameter(f"send multipart/form-data with one or more parts named {field!r}")
-    state.classifier.check_capacity(call.deadline, call.priority)  # sheds (429) before the body is read
+    state.pipeline.check_capacity(call.deadline, call.priority)  # sheds (429) before the body is read
     if multipart:
         texts: dict[str, str | None] = {"top_k": None}
         files = await http.read_multipart(request, field, max_files, settings.max_body_bytes, call.deadline, texts)
@@ -241,7 +241,7 @@ async def classify(request: Request, state: AppState) -> Response:
     call = Call(request, http.request_id_of(request), time.perf_counter())
     try:
         ((_, data),) = await read_images(call, state, "image", 1, raw_body=True)
-        result = await state.classifier.classify(data, call.top_k, call.deadline, call.priority)
+        result = await state.pipeline.classify(data, call.top_k, call.deadline, call.priority)
     except Exception as exc:
         if isinstance(exc, Overloaded) and state.shadow is not None:
             state.shadow.note_overload()  # mirrors pause while real traffic is shed
@@ -266,7 +266,7 @@ async def classify_batch(request: Request, state: AppState) -> Response:
         files = await read_images(call, state, "images", state.settings.max_batch_images, raw_body=False)
     except Exception as exc:
         return failed(request, call.request_id, call.priority, call.started, exc)
-    results = await asyncio.gather(*(_batch_entry(state.classifier, call, i, name, data)
+    results = await asyncio.gather(*(_batch_entry(state.pipeline, call, i, name, data)
                                      for i, (name, data) in enumerate(files)))
     timings = batch_timings_ms(results, (time.perf_counter() - call.started) * 1000.0)
     warnings = sorted({warning for result in results for warning in result.get("input_warnings", ())})
@@ -275,11 +275,11 @@ async def classify_batch(request: Request, state: AppState) -> Response:
                         headers={"X-Request-Id": call.request_id, "Server-Timing": server_timing(timings)})
 
 
-async def _batch_entry(classifier: Classifier, call: Call, index: int, filename: str, data: bytes) -> dict:
+async def _batch_entry(pipeline: Pipeline, call: Call, index: int, filename: str, data: bytes) -> dict:
     """One ``/classify_batch`` entry: ``index``, ``filename`` and the result, or ``status`` and ``error``."""
     entry = {"index": index, "filename": filename}
     try:
-        return {**entry, **(await classifier.classify(data, call.top_k, call.deadline, call.priority))}
+        return {**entry, **(await pipeline.classify(data, call.top_k, call.deadline, call.priority))}
     except RampartError as exc:
         error = exc
     except Exception:
@@ -315,8 +315,8 @@ async def stats(request: Request, state: AppState) -> Response:
     requests in flight; the runners' counters are the runners' own, shared by all
     workers. Rampart's Prometheus metrics on ``/metrics`` add up every worker.
     """
-    body = state.classifier.state()
-    body["api_worker"] = api_worker(state.classifier.settings)
+    body = state.pipeline.state()
+    body["api_worker"] = api_worker(state.pipeline.settings)
     body["lifecycle"] = {"state": state.lifecycle.state, "in_flight": state.lifecycle.in_flight}
     for role in ("primary", "fallback"):
         body[role]["runner"] = await state.runner_stats(role)
@@ -349,12 +349,12 @@ def finished(request: Request, request_id: str, priority: str, started: float, s
 
 def refuse_before_admission(app: Starlette) -> ASGIApp:
     """The ASGI app answering 429 ``overloaded`` to a request over the in-flight bound (``rampart.api.arrival``),
-    before any middleware, with ``app``'s classifier's ``Retry-After``."""
+    before any middleware, with ``app``'s pipeline's ``Retry-After``."""
     state = state_of(app)
 
     async def refuse(scope, receive, send) -> None:
         request = Request(scope, receive)
-        error = Overloaded("too many requests in flight; retry later", state.classifier.retry_after_s())
+        error = Overloaded("too many requests in flight; retry later", state.pipeline.retry_after_s())
         if state.shadow is not None:
             state.shadow.note_overload()  # mirrors pause while real traffic is shed
         request_id = http.request_id_of(request)

@@ -30,7 +30,7 @@ puts a counter in front of everything (the app uvicorn calls, with any of its pr
 requests to ``paths`` are already in flight in this worker, the next one is
 answered by ``refuse`` at once (Rampart: 429 ``overloaded`` with
 ``Retry-After``), before any middleware runs. Rampart derives ``limit`` from its
-admission queues (``Classifier.inflight_limit``). With HTTP/1.1 keep-alive each
+admission queues (``Pipeline.inflight_limit``). With HTTP/1.1 keep-alive each
 connection has at most one request in flight (uvicorn stops reading a
 connection while a pipelined request waits), so a request can wait unseen only
 in the kernel's accept queue (``backlog``, sized in ``service.py``) or its

@@ -13,11 +13,11 @@ Routes (``routes()``; ``{name}`` is ``rampart``, the served pipeline; each also 
 - ``GET /v2/models/stats``, ``GET /v2/models/{name}/stats``: the statistics extension, from
   this API worker's counts of its ``/v2`` inference requests (``InferenceStatistics``).
 
-Every image of an inference request goes through ``Classifier.classify``, the call
+Every image of an inference request goes through ``Pipeline.classify``, the call
 ``/classify`` makes: the same decode, caps, admission, deadline and fallback chain.
 The body is read with ``rampart.api.http.body_chunks`` under ``/classify_batch``'s byte cap
 (``max_batch_images`` × (``max_body_bytes`` + multipart overhead)), decompressed
-incrementally under the same cap, within the deadline, after ``Classifier.check_capacity``
+incrementally under the same cap, within the deadline, after ``Pipeline.check_capacity``
 (so shedding still costs nothing); it is parsed in a worker thread within the deadline,
 each limit (``Limits``) checked before any tensor is split or converted.
 
@@ -150,7 +150,7 @@ MAX_INDEX_BODY_BYTES = 4096
 class Backend(Protocol):
     """What the routes need from the app's state (``rampart.api.app.AppState``)."""
 
-    classifier: Any  # rampart.pipeline.Classifier
+    pipeline: Any  # rampart.pipeline.Pipeline
     lifecycle: Any  # rampart.api.lifecycle.Lifecycle
 
     def loop_lag_ms(self) -> float: ...
@@ -559,7 +559,7 @@ def _response_parameters(results: list[dict], request_id: str) -> dict:
 
 def encode_infer_response(parsed: InferRequest, results: list[dict], top_k: int, request_id: str,
                           model_version: str) -> Response:
-    """The ``/infer`` answer for ``results`` (``Classifier.classify`` bodies, one per image).
+    """The ``/infer`` answer for ``results`` (``Pipeline.classify`` bodies, one per image).
 
     Outputs are binary (with ``Inference-Header-Content-Length``) where the request asked
     for it, per output (``binary_data``) or for all (``binary_data_output``); JSON otherwise.
@@ -712,7 +712,7 @@ class InferenceStatistics:
     last_inference: int = 0
 
     def answered(self, results: list[dict], elapsed_ms: float, encode_ms: float) -> None:
-        """Count a request answered 200 with ``results`` (``Classifier.classify`` bodies) after ``elapsed_ms``,
+        """Count a request answered 200 with ``results`` (``Pipeline.classify`` bodies) after ``elapsed_ms``,
         its answer encoded in ``encode_ms``."""
         self.success.add(elapsed_ms)
         for stage, duration in (("queue", self.queue), ("decode", self.compute_input),
@@ -805,7 +805,7 @@ async def _parse_within(body: bytes, header_length: str | None, limits: Limits, 
 def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -> list[Route]:
     """The protocol's Starlette routes.
 
-    ``backend`` is the app's state (classifier, lifecycle, loop lag, readiness:
+    ``backend`` is the app's state (pipeline, lifecycle, loop lag, readiness:
     ``rampart.api.app.AppState``); ``account(request, request_id, priority, started, status,
     code, **extra)`` counts and logs each inference answer (``rampart.api.app.finished``),
     so ``/v2`` traffic shows in the same metrics and access log.
@@ -845,9 +845,9 @@ def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -
     async def config(request: Request) -> JSONResponse:
         if (missing := unknown_model(request)) is not None:
             return missing
-        classifier = backend.classifier
+        pipeline = backend.pipeline
         models = {role: f"{lane.endpoint.name}:{lane.endpoint.version}"
-                  for role, lane in (("primary", classifier.primary), ("fallback", classifier.fallback))}
+                  for role, lane in (("primary", pipeline.primary), ("fallback", pipeline.fallback))}
         return JSONResponse(model_config(settings, MODEL_VERSION, models))
 
     async def index(request: Request) -> JSONResponse:
@@ -892,14 +892,14 @@ def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -
             lag_ms = backend.loop_lag_ms()
             deadline = http.parse_deadline(request, settings, lag_ms)
             priority = http.parse_priority(request)
-            classifier = backend.classifier
-            classifier.check_capacity(deadline, priority)  # sheds (429) before the body is read
+            pipeline = backend.pipeline
+            pipeline.check_capacity(deadline, priority)  # sheds (429) before the body is read
             limit = settings.max_batch_images * (settings.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
             body = await read_infer_body(request, limit, deadline)  # /classify_batch's cap
             parsed = await _parse_within(body, request.headers.get(HEADER_LENGTH), limits, deadline)
             del body  # the images hold what is needed of it
             top_k, priority, deadline = request_options(request, parsed.parameters, settings, lag_ms, deadline)
-            results = await _classify_all(classifier, parsed.images, top_k, deadline, priority)
+            results = await _classify_all(pipeline, parsed.images, top_k, deadline, priority)
         except Exception as exc:
             if not isinstance(exc, RampartError):
                 logger.exception("unexpected failure for request %s", request_id, exc_info=exc)
@@ -929,10 +929,10 @@ def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -
     ]
 
 
-async def _classify_all(classifier: Any, images: list[bytes], top_k: int, deadline: Deadline,
+async def _classify_all(pipeline: Any, images: list[bytes], top_k: int, deadline: Deadline,
                         priority: str) -> list[dict]:
-    """``classifier.classify`` for every image at once; the first failing image (by index) fails the request."""
-    answers = await asyncio.gather(*(classifier.classify(data, top_k, deadline, priority) for data in images),
+    """``pipeline.classify`` for every image at once; the first failing image (by index) fails the request."""
+    answers = await asyncio.gather(*(pipeline.classify(data, top_k, deadline, priority) for data in images),
                                    return_exceptions=True)
     for index, answer in enumerate(answers):
         if isinstance(answer, RampartError):

@@ -195,6 +195,6 @@ __all__ += ["CASCADE_ROUTES", "CASCADE_ROUTES_TOTAL", "CASCADE_CONFIDENCE", "ini
 
 
 def init_cascade_series() -> None:
-    """Create the cascade's route series at 0 (called by the classifier when routing is ``cascade``)."""
+    """Create the cascade's route series at 0 (called by the pipeline when routing is ``cascade``)."""
     for route in CASCADE_ROUTES:
         CASCADE_ROUTES_TOTAL.labels(route)

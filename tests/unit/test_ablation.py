@@ -67,21 +67,21 @@ def test_only_full_admission_sheds_a_request_predicted_late_at_its_turn(mode, sh
 
 def test_admission_off_never_sheds_and_has_no_inflight_bound(make_rig):
     rig = make_rig(**ARM_A)
-    tickets = fill(rig.classifier.primary.gate) + fill(rig.classifier.primary.gate)  # twice what "full" allows
+    tickets = fill(rig.pipeline.primary.gate) + fill(rig.pipeline.primary.gate)  # twice what "full" allows
     response = rig.client.post("/classify", content=CAT)
     for ticket in tickets:
         ticket.cancel()
     assert response.status_code == 200 and response.json()["route"] == "primary_only"
-    assert rig.classifier.inflight_limit() == sys.maxsize and rig.classifier.pool.capacity >= sys.maxsize
+    assert rig.pipeline.inflight_limit() == sys.maxsize and rig.pipeline.pool.capacity >= sys.maxsize
 
 
 def test_a_bounded_queue_sheds_when_full_but_not_on_prediction(make_rig):
     # The primary fixed at 0.01 images/s: one request queued ahead predicts 200 s, past any deadline.
     rig = make_rig(**ARM_B, primary_throughput_ips=0.01)
-    ahead = rig.classifier.primary.gate.reserve(False, 60.0)
+    ahead = rig.pipeline.primary.gate.reserve(False, 60.0)
     predicted_late = rig.client.post("/classify", content=CAT)
     ahead.cancel()
-    tickets = fill(rig.classifier.primary.gate)
+    tickets = fill(rig.pipeline.primary.gate)
     full = rig.client.post("/classify", content=CAT)
     for ticket in tickets:
         ticket.cancel()
@@ -92,7 +92,7 @@ def test_a_bounded_queue_sheds_when_full_but_not_on_prediction(make_rig):
 
 def test_full_admission_sheds_on_prediction_and_primary_only_answers_429(make_rig):
     rig = make_rig(routing="primary-only", primary_throughput_ips=0.01)
-    ahead = rig.classifier.primary.gate.reserve(False, 60.0)
+    ahead = rig.pipeline.primary.gate.reserve(False, 60.0)
     response = rig.client.post("/classify", content=CAT)
     ahead.cancel()
     assert response.status_code == 429 and rig.primary.calls == 0 and rig.fallback.calls == 0
@@ -114,13 +114,13 @@ def test_deadlines_reach_the_runner_and_stop_the_pipeline_only_when_honoured(mak
 
 def test_primary_only_never_asks_the_fallback_and_gives_the_primary_the_whole_deadline(make_rig):
     rig = make_rig(routing="primary-only", cache_size=0)  # no cached answer for the failing call
-    assert rig.classifier.primary.share is Share.ALL and make_rig().classifier.primary.share is Share.PRIMARY
+    assert rig.pipeline.primary.share is Share.ALL and make_rig().pipeline.primary.share is Share.PRIMARY
     answered = rig.client.post("/classify", content=CAT).json()
     rig.primary.mode = "error"
     failed = rig.client.post("/classify", content=CAT).json()
     assert answered["route"] == "primary_only" and answered["model"]["name"] == "rampart-primary"
     assert failed["degraded_reason"] == "no_model_available" and failed["route"] is None
-    tickets = fill(rig.classifier.primary.gate)
+    tickets = fill(rig.pipeline.primary.gate)
     shed = rig.client.post("/classify", content=CAT)
     for ticket in tickets:
         ticket.cancel()

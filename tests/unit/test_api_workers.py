@@ -17,7 +17,7 @@ BATCH, BATCHES, DELAY_MS = 16, 1, 200
 
 
 def worker_gates(workers: int, clock=None) -> list[AdmissionGate]:
-    """One primary gate per API worker, as ``rampart.pipeline.Classifier`` builds them."""
+    """One primary gate per API worker, as ``rampart.pipeline.Pipeline`` builds them."""
     meter = (lambda: ThroughputMeter(tau_s=5.0, share=1 / workers, clock=clock)) if clock else \
         (lambda: ThroughputMeter(tau_s=5.0, share=1 / workers))
     return [AdmissionGate("m", BATCH, BATCHES, DELAY_MS, meter(), workers) for _ in range(workers)]

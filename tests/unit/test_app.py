@@ -1,6 +1,6 @@
 """The HTTP layer in-process: ``rampart.api.app.create_app`` through Starlette's ``TestClient``, no server.
 
-The app gets a real ``rampart.pipeline.Classifier`` on a thread decode pool, whose
+The app gets a real ``rampart.pipeline.Pipeline`` on a thread decode pool, whose
 two models are stand-ins (``StandIn``): they answer fixed probabilities, or raise,
 hang, or drop the item as expired, to inject each fault on purpose (the ``rig`` and
 ``make_rig`` fixtures of tests/unit/conftest.py, built by ``tests.unit.standins.open_rig``). Every 4xx the
@@ -88,7 +88,7 @@ def test_a_failing_primary_hands_over_to_the_fallback(rig, mode, reason):
 
 
 def test_a_full_primary_gate_is_primary_overloaded(rig):
-    tickets = fill(rig.classifier.primary.gate)
+    tickets = fill(rig.pipeline.primary.gate)
     response = rig.client.post("/classify", content=CAT)
     for ticket in tickets:
         ticket.cancel()
@@ -226,7 +226,7 @@ def test_a_body_slower_than_the_deadline_is_408_and_a_hang_up_is_499(rig):
 
 
 def test_both_gates_full_is_429_overloaded_with_retry_after(rig):
-    tickets = fill(rig.classifier.primary.gate) + fill(rig.classifier.fallback.gate)
+    tickets = fill(rig.pipeline.primary.gate) + fill(rig.pipeline.fallback.gate)
     responses = [rig.client.post(path, files={field: ("a.jpg", CAT)})
                  for path, field in (("/classify", "image"), ("/classify_batch", "images"))]
     for ticket in tickets:

@@ -1,4 +1,4 @@
-"""Cascade routing (``RAMPART_ROUTING=cascade``) of ``rampart.pipeline.Classifier`` with stand-in models, no server.
+"""Cascade routing (``RAMPART_ROUTING=cascade``) of ``rampart.pipeline.Pipeline`` with stand-in models, no server.
 
 The stand-in fallback answers with a chosen top-1 probability, so each side of the
 threshold is reached on purpose; faults of the primary (error, hang, full gate, open
@@ -19,22 +19,22 @@ from rampart.api.lifecycle import Lifecycle
 from rampart.api.routing import JSONRouteErrors
 from rampart.config import Settings
 from rampart.overload.deadline import Deadline
-from tests.unit.standins import CAT, StandIn, fill, served_classifier
+from tests.unit.standins import CAT, StandIn, fill, served_pipeline
 
 PRIMARY_CLASS, FALLBACK_CLASS = 281, 285
 
 
 class Cascade:
-    """A cascade classifier on a thread decode pool with a stand-in primary and fallback."""
+    """A cascade pipeline on a thread decode pool with a stand-in primary and fallback."""
 
     def __init__(self, fallback_score: float = 0.9, runner_up: float = 0.0, **settings) -> None:
         self.settings = Settings(decode_mode="threads", decode_workers=2, **{"routing": "cascade", **settings})
         self.primary = StandIn(PRIMARY_CLASS)
         self.fallback = StandIn(FALLBACK_CLASS, fallback_score, runner_up)
-        self.classifier = served_classifier(self.settings, self.primary, self.fallback)
+        self.pipeline = served_pipeline(self.settings, self.primary, self.fallback)
 
     def classify(self, deadline_ms: float = 5_000) -> dict:
-        return asyncio.run(self.classifier.classify(CAT, 3, Deadline(deadline_ms, fallback_reserve_ms=250)))
+        return asyncio.run(self.pipeline.classify(CAT, 3, Deadline(deadline_ms, fallback_reserve_ms=250)))
 
 
 def routes_total(route: str) -> float:
@@ -69,7 +69,7 @@ def test_the_threshold_is_inclusive_and_the_confidence_kind_counts():
 def test_when_the_primary_cannot_answer_the_unsure_fallback_answer_is_degraded(fault, reason):
     rig = Cascade(fallback_score=0.3, breaker_min_calls=2)
     if fault == "full_gate":
-        fill(rig.classifier.primary.gate)
+        fill(rig.pipeline.primary.gate)
     elif fault == "open_breaker":
         rig.primary.mode = "error"
         assert [rig.classify()["degraded_reason"] for _ in range(2)] == ["primary_error"] * 2
@@ -87,7 +87,7 @@ def test_when_the_primary_cannot_answer_the_unsure_fallback_answer_is_degraded(f
 def test_when_the_fallback_cannot_answer_the_primary_is_the_first_choice(fault):
     rig = Cascade()
     if fault == "full_gate":
-        fill(rig.classifier.fallback.gate)
+        fill(rig.pipeline.fallback.gate)
     else:
         rig.fallback.mode = fault
     body = rig.classify()
@@ -111,7 +111,7 @@ def test_stats_and_metrics_count_routes_escalations_and_confidences():
     rig.classify()  # escalated
     rig.primary.mode = "error"
     rig.classify()  # not escalated
-    state = rig.classifier.state()["cascade"]
+    state = rig.pipeline.state()["cascade"]
     assert state["routing"] == "cascade" and state["confidence"] == "msp" and state["threshold"] == 0.42
     assert state["routes"] == {"cascade_confident": 1, "cascade_escalated": 1, "cascade_not_escalated": 1,
                                "cascade_fallback_unavailable": 0}
@@ -125,10 +125,10 @@ def test_primary_first_is_unchanged_and_says_its_route_over_http():
     settings = Settings(decode_mode="threads", decode_workers=2)
     primary = StandIn(PRIMARY_CLASS)
     fallback = StandIn(FALLBACK_CLASS)
-    classifier = served_classifier(settings, primary, fallback)
+    pipeline = served_pipeline(settings, primary, fallback)
     lifecycle = Lifecycle()
     lifecycle.mark_ready()
-    app = create_app(settings, classifier=classifier, lifecycle=lifecycle)
+    app = create_app(settings, pipeline=pipeline, lifecycle=lifecycle)
     with TestClient(JSONRouteErrors(app, answered=route_error_answered)) as client:
         body = client.post("/classify", content=CAT).json()
         assert body["model"]["name"] == "rampart-primary" and body["route"] == "primary_first"

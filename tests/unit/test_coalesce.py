@@ -169,7 +169,7 @@ def test_the_breaker_counts_one_failure_per_item_of_a_failed_call():
     from rampart.inputs.buckets import buckets_for_resolution
     from rampart.inputs.pool import BoundedPool
     from rampart.overload.deadline import Deadline
-    from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer
+    from rampart.pipeline import Pipeline, ModelEndpoint, RunnerResult
     from tests.support import encode, photo
 
     labels = [f"class {i}" for i in range(1000)]
@@ -182,15 +182,15 @@ def test_the_breaker_counts_one_failure_per_item_of_a_failed_call():
 
     async def answering(bucket, items):
         probs = np.full(1000, 1e-3, dtype=np.float32)
-        return [RunnerAnswer(probs=probs, inference_ms=1.0, batch_size=len(items)) for _ in items]
+        return [RunnerResult(probs=probs, inference_ms=1.0, batch_size=len(items)) for _ in items]
 
     def endpoint(name, resolution, send):
         c = Coalescer(send, lambda item: item[1], max_items=16)
         return ModelEndpoint(name, "v1", labels, buckets_for_resolution(resolution),
                              lambda bucket, pixels, deadline: c.call(bucket, (pixels, deadline)))
 
-    chain = Classifier(Settings(), endpoint("primary", 260, failing), endpoint("fallback", 224, answering),
-                       BoundedPool(2, 8))
+    chain = Pipeline(Settings(), endpoint("primary", 260, failing), endpoint("fallback", 224, answering),
+                     BoundedPool(2, 8))
     data = [encode(photo("chelsea")), encode(photo("coffee")), encode(photo("rocket"))]
 
     async def scenario():

@@ -10,9 +10,9 @@ from rampart import errors
 from rampart.config import Settings
 from rampart.overload.admission import AdmissionGate, Shed, ThroughputMeter
 from rampart.overload.deadline import Deadline
-from rampart.pipeline import Classifier
+from rampart.pipeline import Pipeline
 from tests.support import encode, photo
-from tests.unit.standins import StandIn, stand_in_classifier
+from tests.unit.standins import StandIn, stand_in_pipeline
 
 
 def gate(queue_delay_ms: float = 1) -> AdmissionGate:
@@ -106,14 +106,14 @@ def test_low_is_dispatched_a_quarter_batch_at_a_time_so_normal_is_dispatched_at_
     assert g.dispatched == 0 and g.queued == 0
 
 
-def classifier(primary: StandIn, fallback: StandIn, **settings) -> Classifier:
-    return stand_in_classifier(Settings(**settings), primary, fallback)
+def make_pipeline(primary: StandIn, fallback: StandIn, **settings) -> Pipeline:
+    return stand_in_pipeline(Settings(**settings), primary, fallback)
 
 
 @pytest.mark.parametrize("routing", ["primary-first", "cascade"])
 def test_a_low_request_is_answered_by_the_primary_only(routing):
     primary, fallback = StandIn(1), StandIn(2)
-    body = asyncio.run(classifier(primary, fallback, routing=routing).classify(
+    body = asyncio.run(make_pipeline(primary, fallback, routing=routing).classify(
         encode(photo("rocket"), "JPEG"), 5, Deadline(10_000), "low"))
     assert body["route"] == "low_priority" and body["model"]["name"] == "primary" and not body["degraded"]
     assert primary.calls == 1 and fallback.calls == 0
@@ -121,7 +121,7 @@ def test_a_low_request_is_answered_by_the_primary_only(routing):
 
 def test_a_low_request_the_primary_cannot_answer_is_429_never_the_fallback_then_a_cached_answer_is_returned():
     primary, fallback = StandIn(1), StandIn(2)
-    pipeline = classifier(primary, fallback)
+    pipeline = make_pipeline(primary, fallback)
     data = encode(photo("rocket"), "JPEG")
     primary.mode = "error"
     with pytest.raises(errors.Overloaded) as error:
@@ -137,7 +137,7 @@ def test_a_low_request_the_primary_cannot_answer_is_429_never_the_fallback_then_
 
 
 def test_a_low_request_has_no_room_when_only_the_fallback_has():
-    pipeline = classifier(StandIn(1), StandIn(2))
+    pipeline = make_pipeline(StandIn(1), StandIn(2))
     pipeline.primary.gate.dispatched = pipeline.primary.gate.window + pipeline.primary.gate.queue_limit  # full
     pipeline.check_capacity(Deadline(10_000), "normal")  # the fallback would take a normal request
     with pytest.raises(errors.Overloaded) as error:

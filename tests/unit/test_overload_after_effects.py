@@ -16,7 +16,7 @@ from rampart.api.arrival import ARRIVAL_KEY, FUTURE_SKEW_MS, InflightBound, arri
 from rampart.overload.breaker import CLOSED, OPEN, CircuitBreaker
 from rampart.inputs.buckets import buckets_for_resolution
 from rampart.overload.deadline import Deadline, Share
-from rampart.lane import ModelEndpoint, ModelLane, RunnerAnswer
+from rampart.lane import ModelEndpoint, ModelLane, RunnerResult
 
 
 def busy_meter(now: list[float], ips: float, seconds: float, tau_s: float = 5.0) -> ThroughputMeter:
@@ -100,9 +100,9 @@ def test_a_busy_model_whose_answers_come_late_never_opens_the_breaker():
         async def runner(deadline):  # one at a time, 100 ms each, like a runner: an item whose
             async with lock:  # deadline has passed is dropped (TTL), the rest computed
                 if time.time() > deadline:
-                    return RunnerAnswer(probs=None, inference_ms=0.0, batch_size=0)
+                    return RunnerResult(probs=None, inference_ms=0.0, batch_size=0)
                 await asyncio.sleep(0.1)
-            return RunnerAnswer(probs=np.ones(1, dtype=np.float32), inference_ms=100.0, batch_size=1)
+            return RunnerResult(probs=np.ones(1, dtype=np.float32), inference_ms=100.0, batch_size=1)
 
         async def busy_call(bucket_name, pixels, deadline):  # the runner has the item even if the caller leaves
             return await asyncio.shield(asyncio.ensure_future(runner(deadline)))

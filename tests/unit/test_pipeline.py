@@ -1,4 +1,4 @@
-"""``rampart.pipeline.Classifier`` with stand-in model endpoints: decode bounds and the chain, no server."""
+"""``rampart.pipeline.Pipeline`` with stand-in model endpoints: decode bounds and the chain, no server."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from rampart.inputs.buckets import buckets_for_resolution
 from rampart.config import Settings
 from rampart.overload.deadline import Deadline
 from rampart.inputs.decode_job import model_input, prepare
-from rampart.pipeline import Classifier, ModelEndpoint
+from rampart.pipeline import Pipeline, ModelEndpoint
 from rampart.inputs.pool import BoundedPool
 from tests.support import encode, photo
 from tests.unit.standins import LABELS, StandIn, stand_in_chain
@@ -101,7 +101,7 @@ def recording_endpoint(name: str, resolution: int, best: int, fail: bool = False
 def test_the_fallbacks_input_is_made_only_when_the_fallback_is_called(primary_fails):
     primary, primary_calls = recording_endpoint("primary", 260, 1, fail=primary_fails)
     fallback, fallback_calls = recording_endpoint("fallback", 224, 2)
-    chain = Classifier(Settings(), primary, fallback, BoundedPool(2, 8))
+    chain = Pipeline(Settings(), primary, fallback, BoundedPool(2, 8))
     answer = asyncio.run(chain.classify(encode(photo("chelsea")), 3, Deadline(5_000)))
     assert primary_calls == [("landscape", (260, 346, 3))]
     if primary_fails:
@@ -116,7 +116,7 @@ def test_an_upload_sent_to_the_fallback_at_admission_is_decoded_for_the_fallback
     """The fallback's input is fitted from the decoded frame, not resized from a primary array no model asked for."""
     primary, primary_calls = recording_endpoint("primary", 260, 1)
     fallback, fallback_calls = recording_endpoint("fallback", 224, 2)
-    chain = Classifier(Settings(), primary, fallback, BoundedPool(2, 8))
+    chain = Pipeline(Settings(), primary, fallback, BoundedPool(2, 8))
     while chain.primary.gate.refusal(False, 10.0) is None:  # fill the primary's gate
         chain.primary.gate.reserve(False, 10.0)
     data = encode(photo("chelsea"))
@@ -128,3 +128,17 @@ def test_an_upload_sent_to_the_fallback_at_admission_is_decoded_for_the_fallback
     assert (answer.inputs["fallback"][1] == direct.inputs["fallback"][1]).all()
     from_primary = model_input(prepare(data, chain.plan), "fallback", fallback.buckets)[1]
     assert (answer.inputs["fallback"][1] != from_primary).any()  # the two ways differ: the test sees which ran
+
+
+def test_a_runner_result_off_the_wire_keeps_its_fields_and_an_expired_one_has_no_probs():
+    """``RunnerResult.from_wire``: the runner's pydantic ``RunnerResult`` as the pipeline holds it."""
+    import numpy as np
+
+    from rampart.pipeline import RunnerResult
+    from runners.common import RunnerResult as WireResult
+
+    probs = np.full(5, 0.2, dtype=np.float32)
+    live = RunnerResult.from_wire(WireResult(probs=probs, batch_size=3, inference_ms=7.5))
+    assert live.probs is probs and (live.expired, live.batch_size, live.inference_ms) == (False, 3, 7.5)
+    dropped = RunnerResult.from_wire(WireResult(expired=True))
+    assert dropped.probs is None and (dropped.expired, dropped.batch_size, dropped.inference_ms) == (True, 0, 0.0)

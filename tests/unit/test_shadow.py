@@ -19,7 +19,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from rampart.inputs.buckets import buckets_for_resolution, choose_bucket, fit_to_bucket
-from rampart.pipeline import ModelEndpoint, RunnerAnswer
+from rampart.pipeline import ModelEndpoint, RunnerResult
 from rampart.shadow import AnsweredBody, ShadowMirror, agreement, shadow_input
 from tests.support import photo
 
@@ -94,7 +94,7 @@ def test_agreement_and_latency_are_recorded_and_disagreements_logged(caplog):
 
     async def healthy(bucket_name, pixels, deadline):
         seen.append((bucket_name, pixels.shape))
-        return RunnerAnswer(probs_for([1, 2, 3, 4, 5]), 1.0, 1)
+        return RunnerResult(probs_for([1, 2, 3, 4, 5]), 1.0, 1)
 
     mirror = ShadowMirror(candidate(224, healthy), 1.0, 500, 2, busy=lambda: False)
     with caplog.at_level("INFO", "rampart.shadow"):
@@ -111,7 +111,7 @@ def test_agreement_and_latency_are_recorded_and_disagreements_logged(caplog):
 
 def test_rate_samples_a_share():
     async def healthy(bucket_name, pixels, deadline):
-        return RunnerAnswer(probs_for([1]), 1.0, 1)
+        return RunnerResult(probs_for([1]), 1.0, 1)
 
     mirror = ShadowMirror(candidate(224, healthy), 0.1, 500, 2, busy=lambda: False, rng=random.Random(7))
     picked = sum(mirror.background(str(i), answered([1])) is not None for i in range(2000))
@@ -124,7 +124,7 @@ def test_busy_models_and_the_inflight_bound_skip_the_mirror():
     async def slow(bucket_name, pixels, deadline):
         calls.append(bucket_name)
         await asyncio.sleep(0.2)
-        return RunnerAnswer(probs_for([1]), 1.0, 1)
+        return RunnerResult(probs_for([1]), 1.0, 1)
 
     busy = {"now": True}
     mirror = ShadowMirror(candidate(224, slow), 1.0, 1000, 2, busy=lambda: busy["now"])
@@ -148,7 +148,7 @@ def test_errors_and_timeouts_are_counted_and_hold_the_slot_until_the_runner_repl
 
     async def hung(bucket_name, pixels, deadline):
         await asyncio.sleep(0.3)  # replies, but after the 100 ms shadow deadline
-        return RunnerAnswer(probs_for([1]), 1.0, 1)
+        return RunnerResult(probs_for([1]), 1.0, 1)
 
     mirror = ShadowMirror(candidate(224, hung), 1.0, 100, 1, busy=lambda: False)
 
@@ -171,7 +171,7 @@ def test_not_ready_runner_is_skipped_until_it_answers_ready():
         return next(answers)
 
     async def healthy(bucket_name, pixels, deadline):
-        return RunnerAnswer(probs_for([1]), 1.0, 1)
+        return RunnerResult(probs_for([1]), 1.0, 1)
 
     mirror = ShadowMirror(candidate(224, healthy), 1.0, 500, 2, busy=lambda: False, ready_check=ready)
 
@@ -194,7 +194,7 @@ def test_the_mirror_runs_after_the_response_is_sent():
 
     async def healthy(bucket_name, pixels, deadline):
         order.append("candidate called")
-        return RunnerAnswer(probs_for([1]), 1.0, 1)
+        return RunnerResult(probs_for([1]), 1.0, 1)
 
     mirror = ShadowMirror(candidate(224, healthy), 1.0, 500, 2, busy=lambda: False)
 
@@ -228,7 +228,7 @@ def test_any_sign_of_overload_pauses_mirroring():
     """A 429 (``note_overload``) or an answer the primary shed to the fallback pauses mirrors for a while,
     even when the gates look idle at that instant."""
     async def healthy(bucket_name, pixels, deadline):
-        return RunnerAnswer(probs_for([1]), 1.0, 1)
+        return RunnerResult(probs_for([1]), 1.0, 1)
 
     mirror = ShadowMirror(candidate(224, healthy), 1.0, 500, 2, busy=lambda: False)
     shed_to_fallback = answered([1], "fallback")
