@@ -142,3 +142,42 @@ def test_a_runner_result_off_the_wire_keeps_its_fields_and_an_expired_one_has_no
     assert live.probs is probs and (live.expired, live.batch_size, live.inference_ms) == (False, 3, 7.5)
     dropped = RunnerResult.from_wire(WireResult(expired=True))
     assert dropped.probs is None and (dropped.expired, dropped.batch_size, dropped.inference_ms) == (True, 0, 0.0)
+
+
+@pytest.mark.parametrize("decoder_idle", [True, False])
+def test_after_the_primary_fails_the_fallback_input_is_decoded_again_only_from_an_idle_decoder(decoder_idle):
+    """The fallback's input resized from the primary's array agrees less with a decode for the fallback
+    (docs/decoding.md): after the primary failed, an idle decoder decodes the upload again for the
+    fallback; a busy one is never waited for, and the resize is used."""
+    import threading
+
+    pool = BoundedPool(1, 8)
+    release = threading.Event()
+    fallback, fallback_calls = recording_endpoint("fallback", 224, 2)
+    inner = StandIn(1)
+    inner.mode = "error"
+    blocker = []
+
+    async def failing_primary(bucket_name, pixels, deadline):
+        if not decoder_idle:  # the only decoder gets another upload's job before the fallback is asked
+            blocker.append(asyncio.ensure_future(pool.run(release.wait, 5.0)))
+            await asyncio.sleep(0.05)
+        return await inner.call(bucket_name, pixels, deadline)
+
+    primary = ModelEndpoint("primary", "v1", LABELS, buckets_for_resolution(260), failing_primary)
+    chain = Pipeline(Settings(), primary, fallback, pool)
+    data = encode(photo("chelsea"))
+
+    async def run():
+        try:
+            return await chain.classify(data, 3, Deadline(5_000))
+        finally:
+            release.set()
+            await asyncio.gather(*blocker)
+
+    answer = asyncio.run(run())
+    assert answer["model"]["name"] == "fallback" and fallback_calls == [("landscape", (224, 298, 3))]
+    decoded_for_fallback = prepare(data, chain.plan, "fallback").inputs["fallback"][1]
+    resized = model_input(prepare(data, chain.plan), "fallback", fallback.buckets)[1]
+    expected = decoded_for_fallback if decoder_idle else resized
+    assert (answer.inputs["fallback"][1] == expected).all()
