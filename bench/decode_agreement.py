@@ -13,8 +13,9 @@ default models in this process (no servers) on every image twice:
   bicubic resize of the crop box), for each model as the service makes its input:
   ``primary`` and ``fallback`` decoded for that model (``prepare(..., role)``: what the
   primary-first routing does for the model a request holds its place with), and
-  ``fallback_after_primary``, the fallback's input resized from the primary's array
-  (``model_input``), what a request gets when the primary fails after its decode.
+  ``fallback_resized_from_primary``, the fallback's input resized from the primary's array
+  (``model_input``), what a request gets when the primary fails after its decode and no decoder
+  is idle to decode it again for the fallback (``Pipeline._redecode``).
 
 Images: ``bench.cascade_eval``'s evaluation set (the bundled real photos × 46 variants,
 322 images) and *phone-sized* versions of the same photos (``phone_images``: each photo
@@ -118,10 +119,10 @@ def agreement(previous: np.ndarray, current: np.ndarray) -> dict:
 
 def _probabilities(images: list[EvalImage], models: dict, settings: Settings) -> dict[str, dict[str, np.ndarray]]:
     """Per way ("previous", "current") and row, float32 N×C probabilities, one image at a time: a row per
-    role (decoded for that role), and ``<role>_after_<base>`` for each other role (its input resized from
+    role (decoded for that role), and ``<role>_resized_from_<base>`` for each other role (its input resized from
     the base role's array)."""
     plan = decode_plan(settings, {role: model.buckets for role, model in models.items()})
-    rows = [*models, *(f"{role}_after_{plan.base_role}" for role in models if role != plan.base_role)]
+    rows = [*models, *(f"{role}_resized_from_{plan.base_role}" for role in models if role != plan.base_role)]
     out = {way: {row: [] for row in rows} for way in ("previous", "current")}
     for image in images:
         old = previous_input(image.data, plan.buckets, settings.crop_margin, settings.alpha_background)
@@ -131,7 +132,7 @@ def _probabilities(images: list[EvalImage], models: dict, settings: Settings) ->
             out["previous"][role].append(model.engine.predict(old[role][1][None])[0])
             out["current"][role].append(model.engine.predict(own[None])[0])
             if role != plan.base_role:
-                row = f"{role}_after_{plan.base_role}"
+                row = f"{role}_resized_from_{plan.base_role}"
                 out["previous"][row].append(out["previous"][role][-1])
                 out["current"][row].append(model.engine.predict(model_input(base, role, model.buckets)[1][None])[0])
     return {way: {row: np.stack(values) for row, values in roles.items()} for way, roles in out.items()}
@@ -192,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
             per_model[role] = result
         report["sets"][name] = {"images": len(images), "models": per_model}
     report["met"] = all(s["models"][role]["top1_agreement"] >= TARGET_AGREEMENT for s in report["sets"].values()
-                        for role in models)  # each model on its own decode; the "_after_" rows are reported
+                        for role in models)  # each model on its own decode; the "_resized_from_" rows are reported
     report["wall_s"] = round(time.monotonic() - started, 1)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
