@@ -13,8 +13,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from inference.engine_choice import (available_engines, best_size, candidate_sizes, choose_engine, time_batch_sizes,
-                                     time_engines, warm_up_sizes)
+from inference.engine_choice import (available_engines, best_size, candidate_sizes, choose_engine, time_engines,
+                                     warm_up_sizes)
 from inference.engines import OnnxClassifier, session_options
 from tests.support import ROOT
 
