@@ -1,4 +1,4 @@
-"""The compat package (``rampart.compat``): the version guard, the upstream source each patch was written for,
+"""``rampart.compat``, the compat package: the version guard, the upstream source each patch was written for,
 what each patch does, that no code outside the package imports a third-party private module, and that the
 in-flight bound (``rampart.api.arrival``) holds on uvicorn's h11 protocol with no httptools patch."""
 

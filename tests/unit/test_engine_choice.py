@@ -1,5 +1,6 @@
-"""The primary's engine choice, the warm-up sizes and ONNX Runtime's session settings (inference.engine_choice,
-inference.engines, runners.common). Stand-in engines of known speed; real ONNX Runtime sessions on a tiny model."""
+"""``inference.engine_choice`` (with ``inference.engines`` and ``runners.common``): the primary's engine choice, the
+warm-up sizes and ONNX Runtime's session settings. Stand-in engines of known speed; real ONNX Runtime sessions on a
+tiny model."""
 
 from __future__ import annotations
 
