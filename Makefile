@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PORT ?= 3000
 
-.PHONY: setup setup-dev setup-peers models serve test test-unit bench bench-peers build clean nginx kubectl serve-cluster stop-cluster perf-analyzer
+.PHONY: setup setup-dev setup-peers models serve lint test test-unit bench bench-peers build clean nginx kubectl serve-cluster stop-cluster perf-analyzer
 
 # Serving (requirements.txt) and model import (requirements-models.txt). Each stamp is
 # touched after its install, so a second run installs nothing until a requirements file changes.
@@ -82,7 +82,11 @@ stop-cluster:
 TEST_TIMEOUT_S ?= 600
 SUITE_TIMEOUT ?= 45m
 
-test: models nginx kubectl perf-analyzer setup-dev
+# ruff with the rules of ruff.toml (about a second); `make test` runs it first.
+lint: setup-dev
+	$(VENV)/bin/ruff check .
+
+test: lint models nginx kubectl perf-analyzer setup-dev
 	timeout -k 30 $(SUITE_TIMEOUT) $(PY) -m pytest -q tests --durations=25 --timeout=$(TEST_TIMEOUT_S)
 
 # The in-process unit tests only: no model store, no server (under a minute).
@@ -125,4 +129,4 @@ build: models
 	$(VENV)/bin/bentoml build --version $(BENTO_VERSION)
 
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) $(PERF_ANALYZER_DIR) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(PEERS_VENV) $(PERF_ANALYZER_DIR) .pytest_cache .hypothesis .ruff_cache

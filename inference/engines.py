@@ -8,7 +8,7 @@ GPU libraries: the pinned torch wheel (2.14.1, CUDA 13) installs the CUDA 13 run
 cuBLAS/cuBLASLt 13, cuRAND 10, cuFFT and cuDNN 9 (``nvidia-*`` packages in
 constraints.txt); onnxruntime-gpu 1.31.1 is built for CUDA 13.0 and loads those same
 libraries through ``onnxruntime.preload_dlls()``. Only the NVIDIA driver
-(``libcuda.so.1``) comes from the host. ``tests/unit/test_gpu_path.py`` checks that every
+(``libcuda.so.1``) comes from the host. ``tests/unit/test_engines.py`` checks that every
 CUDA library the provider links against is in the environment.
 """
 

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import sysconfig
 import time
-from pathlib import Path
 
 import pytest
 

@@ -20,7 +20,7 @@ import pytest
 
 from bench.loadgen import burst, closed_loop_round, load_bodies, run_sync
 from bench.harness import Replica
-from tests.support import SLACK_MS, encode, photo
+from tests.support import encode, photo
 
 DEADLINE_MS = 1000
 REFERENCE_S = 5.0

@@ -10,7 +10,6 @@ import time
 import httpx
 import pytest
 
-from rampart.api import http
 from rampart.compat.uvicorn_httptools import MAX_HEAD_BYTES
 from rampart.api.routing import OTHER_ENDPOINT
 from tests.support import PHOTOS, encode, photo

@@ -1,5 +1,5 @@
 """Damaged real photos: the undamaged files, every benign fault Rampart repairs or ignores, and cuts that
-remove pixel data; decoded in process (tests/unit/test_damage.py) and sent over HTTP (tests/server/test_damage.py)."""
+remove pixel data; decoded in process (tests/unit/test_recovery.py) and sent over HTTP (tests/server/test_damage.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The ablation's switches (``bench.ablation`` arms a-c; docs/benchmarks.md, "Ablation") change what they claim, no server.
+"""``bench.ablation`` and the switches its arms a-c set (``rampart.config``, read by ``rampart.overload.admission`` and
+the pipeline; docs/benchmarks.md, "Ablation"): each changes what it claims, no server.
 
 - ``RAMPART_ROUTING=primary-only``: the fallback is never asked; the primary has the whole deadline.
 - ``RAMPART_ADMISSION``: ``off`` never sheds (arm a), ``queue-bound`` sheds only on the queue

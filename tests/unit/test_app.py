@@ -1,4 +1,4 @@
-"""The HTTP layer in-process: ``rampart.api.app.create_app`` through Starlette's ``TestClient``, no server.
+"""``rampart.api.app``, the HTTP layer in-process: ``create_app`` through Starlette's ``TestClient``, no server.
 
 The app gets a real ``rampart.pipeline.Pipeline`` on a thread decode pool, whose
 two models are stand-ins (``StandIn``): they answer fixed probabilities, or raise,

@@ -1,5 +1,5 @@
-"""The near-free-model ceiling's parts (bench.ceiling), in process: its model, its bodies, and how
-server processes are told apart and their CPU counted. The scenario itself runs in
+"""``bench.ceiling`` (and ``bench.process_cpu``), the near-free-model ceiling's parts, in process: its model, its
+bodies, and how server processes are told apart and their CPU counted. The scenario itself runs in
 tests/server/test_bench.py (``load_bench --quick``)."""
 
 from __future__ import annotations

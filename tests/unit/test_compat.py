@@ -1,4 +1,4 @@
-"""The compat package (``rampart.compat``): the version guard, the upstream source each patch was written for,
+"""``rampart.compat``, the compat package: the version guard, the upstream source each patch was written for,
 what each patch does, that no code outside the package imports a third-party private module, and that the
 in-flight bound (``rampart.api.arrival``) holds on uvicorn's h11 protocol with no httptools patch."""
 
@@ -130,7 +130,7 @@ def test_apply_all_applies_every_patch_and_marks_what_it_replaced(monkeypatch):
         if name in vars(owner):
             monkeypatch.setattr(owner, name, vars(owner)[name])
     monkeypatch.setattr(bentoml_circus.Arbiter, "stop_controller_and_close_sockets",
-                        getattr(bentoml_circus.Arbiter, "stop_controller_and_close_sockets"))
+                        bentoml_circus.Arbiter.stop_controller_and_close_sockets)
     for name in ("auto", "httptools"):
         monkeypatch.setitem(config.HTTP_PROTOCOLS, name, config.HTTP_PROTOCOLS[name])
 

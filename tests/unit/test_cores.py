@@ -1,4 +1,4 @@
-"""CPU placement (``rampart.cores``): which cores the primary reserves, when it reserves none, and the pinning."""
+"""``rampart.cores``, CPU placement: which cores the primary reserves, when it reserves none, and the pinning."""
 
 from __future__ import annotations
 

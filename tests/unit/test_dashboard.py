@@ -1,4 +1,5 @@
-"""The Grafana dashboard (grafana/rampart-dashboard.json) queries only metrics Rampart declares, no server.
+"""grafana/rampart-dashboard.json against ``rampart.telemetry``: the Grafana dashboard queries only metrics Rampart
+declares, no server.
 
 On a real server, tests/server/test_observability.py (default settings), test_cascade.py and
 test_shadow.py (the metrics of those modes) check that each queried name is served.

@@ -1,4 +1,4 @@
-"""Decode cost counted before decoding (``rampart.inputs.decode_cost``): bombs of every kind refused, real images not."""
+"""``rampart.inputs.decode_cost``, decode cost counted before decoding: bombs of every kind refused, real images not."""
 
 from __future__ import annotations
 

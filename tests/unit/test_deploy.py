@@ -1,4 +1,4 @@
-"""The Kubernetes manifests in deploy/k8s, checked offline.
+"""deploy/k8s, the Kubernetes manifests, checked offline and against ``rampart.config``.
 
 Core kinds are validated with ``kubernetes-validate`` in strict mode (its bundled
 schemas, Kubernetes 1.37; unknown fields fail), the KEDA ScaledObject with

@@ -1,5 +1,6 @@
-"""The primary's engine choice, the warm-up sizes and ONNX Runtime's session settings (inference.engine_choice,
-inference.engines, runners.common). Stand-in engines of known speed; real ONNX Runtime sessions on a tiny model."""
+"""``inference.engine_choice`` (with ``inference.engines`` and ``runners.common``): the primary's engine choice, the
+warm-up sizes and ONNX Runtime's session settings. Stand-in engines of known speed; real ONNX Runtime sessions on a
+tiny model."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from inference.engine_choice import (available_engines, best_size, candidate_sizes, choose_engine, time_batch_sizes,
-                                     time_engines, warm_up_sizes)
+from inference.engine_choice import (available_engines, best_size, candidate_sizes, choose_engine, time_engines,
+                                     warm_up_sizes)
 from inference.engines import OnnxClassifier, session_options
 from tests.support import ROOT
 

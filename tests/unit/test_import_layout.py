@@ -1,5 +1,6 @@
-"""The import layout of the house: no import circle among ``bench/``, ``deploy/`` and ``rampart/`` (every
-``import`` statement counts, also those inside functions), and no test module imports another test module
+"""The imports of ``bench``, ``deploy``, ``rampart`` and ``tests`` (a guard on the repository, no one module): no
+import circle among ``bench/``, ``deploy/`` and ``rampart/`` (every ``import`` statement counts, also those inside
+functions), and no test module imports another test module
 (shared helpers live in the ``tests.support`` package and ``tests/unit/standins.py``; docs/testing.md, "Layout")."""
 
 from __future__ import annotations

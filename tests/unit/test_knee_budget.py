@@ -1,4 +1,5 @@
-"""The load benchmark's primary-path knee, knee ratios and CPU-budget stage rules (bench.ramp, bench.knee_budget, bench.cpu_budget)."""
+"""``bench.knee_budget``, ``bench.ramp`` and ``bench.cpu_budget``: the load benchmark's primary-path knee, knee ratios
+and CPU-budget stage rules."""
 
 from __future__ import annotations
 

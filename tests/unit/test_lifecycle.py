@@ -1,4 +1,5 @@
-"""Lifecycle in-process: admission only between ready and drain, exit signals left alone outside uvicorn."""
+"""``rampart.api.lifecycle`` in-process: admission only between ready and drain, exit signals left alone outside
+uvicorn."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The Open Inference Protocol (KServe v2 / Triton HTTP) and BentoML's own client.
+"""``rampart.api.oip``: the Open Inference Protocol (KServe v2 / Triton HTTP) and BentoML's own client.
 
 Unit tests of ``rampart.api.oip``'s parsing and encoding, with request and response bodies
 made and read by ``tritonclient`` itself. The end-to-end tests (``tritonclient.http``

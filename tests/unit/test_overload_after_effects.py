@@ -1,5 +1,6 @@
-"""No after-effects of overload, without a server: meter and Retry-After after idle (fake clock), the
-breaker telling busy from hung, arrival times and the in-flight bound. BentoML's learned batching wait
+"""``rampart.overload`` (admission's meter, the breaker through ``rampart.lane``) and ``rampart.api.arrival``: no
+after-effects of overload, without a server: meter and Retry-After after idle (fake clock), the breaker telling
+busy from hung, arrival times and the in-flight bound. BentoML's learned batching wait
 (``rampart.compat.bentoml_batching``) is tested in ``tests/unit/test_compat.py``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The capacity planner's rules (``rampart.plan.formulas``) on known inputs."""
+"""``rampart.plan.formulas``: the capacity planner's rules on known inputs."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Shadow traffic in process (``rampart.shadow``): sampling, idle-only mirroring, bounds, failures, agreement.
+"""``rampart.shadow``, shadow traffic in process: sampling, idle-only mirroring, bounds, failures, agreement.
 
 The candidate is a stand-in ``ModelEndpoint`` whose call is a coroutine, so each case
 (slow, failing, busy) is exact; the server tests (tests/server/test_shadow.py) run the real runner.

@@ -1,4 +1,5 @@
-"""Bounded request parsing, JSON 404/405, bounded metric labels and the request-head limit.
+"""``rampart.api.http``'s multipart parser, ``rampart.api.routing`` and ``rampart.compat.uvicorn_httptools``: bounded
+request parsing, JSON 404/405, bounded metric labels and the request-head limit.
 
 Unit tests drive ``rampart.api.http.read_multipart`` with real Starlette requests whose
 body arrives in chunks, and ``rampart.api.routing`` on a Starlette app shaped like

@@ -1,5 +1,5 @@
-""""Is there room?" agrees with "take a place", per layer: the admission gate (``has_room`` / ``reserve``)
-and the model lane (deadline share, circuit breaker, gate), in-process."""
+"""``rampart.lane`` and ``rampart.overload.admission``: "Is there room?" agrees with "take a place", per layer: the
+admission gate (``has_room`` / ``reserve``) and the model lane (deadline share, circuit breaker, gate), in-process."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The planner's plan and overlay from fixed measurements: the overlay renders and validates (no server)."""
+"""``rampart.plan.planner``: the plan and overlay from fixed measurements; the overlay renders and validates (no
+server)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Property-based fuzzing of the decoder with mutated real images (the server: tests/server/test_fuzz.py)."""
+"""``rampart.inputs.decoding`` fuzzed: property-based tests of the decoder with mutated real images (the server:
+tests/server/test_fuzz.py)."""
 
 from __future__ import annotations
 

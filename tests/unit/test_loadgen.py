@@ -1,17 +1,14 @@
-"""The Triton baseline of ``bench.load_bench`` without a server: the load generator's Open Inference
-Protocol wire (``bench.loadgen.oip_request`` / ``oip_answer``) and the skip path when PyTriton is not
-installed. The baseline itself runs only in ``make bench-peers`` (docs/benchmarks.md)."""
+"""``bench.loadgen``'s Open Inference Protocol wire (``oip_request`` / ``oip_answer``), the load generator's side of
+the Triton baseline of ``bench.load_bench`` (``bench.baselines.triton_pytriton``: tests/unit/test_triton_pytriton.py),
+read back with ``rampart.api.oip`` and ``tritonclient``; no server."""
 
 from __future__ import annotations
 
 import json
-import sys
-import sysconfig
 
 import pytest
 import tritonclient.http as triton
 
-from bench.baselines import triton_pytriton
 from bench.loadgen import oip_answer, oip_request
 from rampart.api import oip
 from tests.support import encode, photo
@@ -57,18 +54,3 @@ def test_oip_answer_reads_rampart_v2_answers(result, model, reason):
     response = oip.encode_infer_response(parsed, [result], 5, "req-1", "v")
     ours = oip_answer(triton.InferenceServerClient.parse_response_body(response.body).get_response())
     assert ours["labels"] == result["labels"] and ours["model"] == model and ours["degraded_reason"] == reason
-
-
-def test_triton_baseline_is_skipped_with_a_message_where_pytriton_is_missing(monkeypatch, tmp_path):
-    monkeypatch.setenv("RAMPART_PEERS_PYTHON", sys.executable)  # the main venv: numpy 2, no PyTriton
-    reason = triton_pytriton.skip_reason()
-    assert "nvidia-pytriton is not installed" in reason and "make bench-peers" in reason
-    monkeypatch.setenv("RAMPART_PEERS_PYTHON", str(tmp_path / "python"))
-    reason = triton_pytriton.skip_reason()
-    assert "does not exist" in reason and "make bench-peers" in reason
-
-
-def test_stub_library_path_puts_this_interpreters_libpython_first():
-    libdir = sysconfig.get_config_var("LIBDIR")
-    assert triton_pytriton.stub_library_path(None) == libdir
-    assert triton_pytriton.stub_library_path("/opt/a:/opt/b") == f"{libdir}:/opt/a:/opt/b"

@@ -1,4 +1,6 @@
-"""Decode worker processes (``rampart.inputs.pool`` with ``processes=True``): an overrun frees its slot at once."""
+"""``rampart.inputs.pool``'s ``BoundedPool``: with decode worker processes (``processes=True``) an overrun frees its
+slot at once; on threads, the priority order and the bounds on queue, start wait and run time. Also
+``rampart.inputs.decode_job.prepare`` as the workers run it (the fallback's input made only when asked)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -174,3 +177,50 @@ def _wait_for(condition, timeout_s: float = 5.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
+
+
+def test_pool_runs_high_priority_first_then_lower_rank_then_in_arrival_order():
+    async def scenario():
+        pool = BoundedPool(workers=1, queue=10)
+        gate = threading.Event()
+        order: list[str] = []
+        blocker = asyncio.create_task(pool.run(gate.wait))
+        await asyncio.sleep(0.05)
+        jobs = [asyncio.create_task(pool.run(order.append, name, high=high, rank=rank))
+                for name, high, rank in (("n1", False, 1), ("n0", False, 0), ("h1", True, 1), ("n1b", False, 1),
+                                         ("h0", True, 0), ("n0b", False, 0))]
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(blocker, *jobs)
+        return order
+
+    assert asyncio.run(scenario()) == ["h0", "h1", "n0", "n0b", "n1", "n1b"]
+
+
+def test_pool_bounds_queue_start_wait_and_run_time():
+    async def scenario():
+        pool = BoundedPool(workers=1, queue=1)
+        gate = threading.Event()
+        with pytest.raises(JobTimeout) as slow:  # started, then ran past its own limit
+            await pool.run(time.sleep, 0.3, budget_s=5, run_limit_s=0.05)
+        assert slow.value.by_run_limit
+        with pytest.raises(JobTimeout) as late:  # started, then the caller's budget ran out
+            await pool.run(time.sleep, 0.6, budget_s=0.3, run_limit_s=5)
+        assert not late.value.by_run_limit
+        blocker = asyncio.create_task(pool.run(time.sleep, 0.3))
+        await asyncio.sleep(0.05)
+        with pytest.raises(Overloaded):  # never started within its budget: cancelled, 429
+            await pool.run(time.sleep, 0, budget_s=0.05)
+        await blocker
+        gate.clear()
+        hold = asyncio.create_task(pool.run(gate.wait))
+        await asyncio.sleep(0.05)
+        queued = asyncio.create_task(pool.run(time.sleep, 0))
+        await asyncio.sleep(0.01)
+        with pytest.raises(Overloaded):  # one running + one waiting = full
+            await pool.run(time.sleep, 0)
+        gate.set()
+        await asyncio.gather(hold, queued)
+        return pool.pending
+
+    assert asyncio.run(scenario()) == 0

@@ -1,4 +1,5 @@
-"""The low priority class (``X-Priority: low``): the admission gate and the pipeline, no server."""
+"""``rampart.overload.admission`` and ``rampart.pipeline`` for the low priority class (``X-Priority: low``, and OIP's
+priority 3): the admission gate and the pipeline, no server."""
 
 from __future__ import annotations
 

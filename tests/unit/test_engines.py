@@ -1,4 +1,5 @@
-"""The GPU path, checked on a CPU host: CUDA libraries present, ONNX Runtime failover, torch staging.
+"""``inference.engines``: the GPU path checked on a CPU host (CUDA libraries present, ONNX Runtime failover,
+torch staging), and ``TorchClassifier`` splitting a batch on CUDA's out-of-memory error.
 
 No GPU runs here. What can be checked without one: the CUDA 13 / cuDNN 9 libraries that
 onnxruntime-gpu's CUDA provider loads come with the pinned torch wheel; when the CUDA
@@ -135,3 +136,29 @@ def test_host_staging_gives_each_thread_its_own_buffer_and_reuses_it():
     thread.start()
     thread.join()
     assert other and other[0] != larger.data_ptr()
+
+
+class _OomAbove(torch.nn.Module):
+    """A stand-in network that raises CUDA's OOM error for batches larger than ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__()
+        self.limit = limit
+        self.linear = torch.nn.Linear(3, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] > self.limit:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return self.linear(x.mean(dim=(2, 3)))
+
+
+def test_oom_splits_the_batch_once_then_gives_up():
+    batch = np.random.default_rng(0).integers(0, 255, (4, 8, 8, 3), dtype=np.uint8)
+    reference = TorchClassifier(_OomAbove(limit=100), 127.0, 128.0, device="cpu")
+    engine = TorchClassifier(_OomAbove(limit=2), 127.0, 128.0, device="cpu")
+    engine.module.load_state_dict(reference.module.state_dict())
+    out = engine.predict(batch)
+    assert engine.oom_splits == 1
+    np.testing.assert_allclose(out, reference.predict(batch), rtol=1e-5, atol=1e-6)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        TorchClassifier(_OomAbove(limit=1), 127.0, 128.0, device="cpu").predict(batch)  # halves of 2 still fail

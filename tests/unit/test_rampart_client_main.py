@@ -1,5 +1,5 @@
-"""The command lines of docs/clients.md: the SDK's (``rampart-client`` / ``python -m rampart_client``) and
-``python -m bench.loadgen``: their help, names and defaults."""
+"""``rampart_client.__main__`` and ``bench.loadgen``'s command line, those of docs/clients.md: the SDK's
+(``rampart-client`` / ``python -m rampart_client``) and ``python -m bench.loadgen``: their help, names and defaults."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Cascade routing (``RAMPART_ROUTING=cascade``) of ``rampart.pipeline.Pipeline`` with stand-in models, no server.
+"""``rampart.pipeline``'s cascade routing (``RAMPART_ROUTING=cascade``) of ``Pipeline`` with stand-in models, no
+server.
 
 The stand-in fallback answers with a chosen top-1 probability, so each side of the
 threshold is reached on purpose; faults of the primary (error, hang, full gate, open

@@ -1,4 +1,5 @@
-"""How admission divides one runner between several API workers (setting ``api_workers``), in-process.
+"""``rampart.overload.admission`` with several API workers (setting ``api_workers``, checked by ``rampart.config``;
+``/readyz`` through ``rampart.api.lifecycle``): how admission divides one runner between them, in-process.
 
 Each API worker process has its own gates; together they must admit no more than one
 worker admitting everything would (docs/overload.md: several API workers).

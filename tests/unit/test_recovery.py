@@ -1,4 +1,5 @@
-"""The decoding policy on damaged real photos: benign damage is classified, missing pixel data refused.
+"""``rampart.inputs.recovery`` with ``rampart.inputs.decoding``, the decoding policy on damaged real photos: benign
+damage is classified, missing pixel data refused.
 
 Every case is built here from a real photo (skimage's chelsea) in each format:
 benign faults decode to exactly the pixels of the undamaged file (with the

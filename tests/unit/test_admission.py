@@ -1,23 +1,13 @@
-"""Admission gate, throughput meter, circuit breaker, cache, decode pool, faults, OOM split: no server."""
+"""``rampart.overload.admission``: the throughput meter, the queue limit, the admission gate's order, sheds and
+give-backs, and the service-time prediction; no server."""
 
 from __future__ import annotations
 
 import asyncio
-import json
-import threading
-import time
 
-import numpy as np
 import pytest
-import torch
 
 from rampart.overload.admission import AdmissionGate, ServiceTime, Shed, ThroughputMeter
-from rampart.overload.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
-from rampart.cache import CachedAnswer, ResultCache, content_key
-from rampart.errors import Overloaded
-from rampart.faults import FaultInjector, FaultSpec, InjectedFault
-from rampart.inputs.pool import BoundedPool, JobTimeout
-from inference.engines import TorchClassifier
 
 
 def test_meter_divides_completions_by_busy_time_and_honours_override():
@@ -111,136 +101,6 @@ def test_gate_gives_back_cancelled_and_abandoned_tickets():
 
     gate = asyncio.run(scenario())
     assert gate.dispatched == 0 and gate.queued == 0 and gate.queued_high == 0
-
-
-def test_breaker_opens_on_failure_rate_then_half_open_probes_close_it():
-    now = [0.0]
-    breaker = CircuitBreaker(window_s=10, min_calls=4, failure_rate=0.5, open_s=5, probes=2, clock=lambda: now[0])
-    for ok in (True, False, True, False):
-        assert breaker.allow()
-        breaker.record(ok)
-    assert breaker.state == OPEN and not breaker.allow()
-    now[0] = 6.0
-    assert breaker.state == HALF_OPEN
-    assert breaker.allow() and breaker.allow() and not breaker.allow()  # two probes at a time
-    breaker.record(True)
-    breaker.record(True)
-    assert breaker.state == CLOSED
-
-
-def test_breaker_reopens_on_a_failed_probe_and_ignores_shed_calls():
-    now = [0.0]
-    breaker = CircuitBreaker(window_s=10, min_calls=2, failure_rate=0.5, open_s=1, probes=1, clock=lambda: now[0])
-    for _ in range(10):
-        assert breaker.allow()
-        breaker.cancel()  # shed before reaching the model: not a failure
-    assert breaker.state == CLOSED
-    breaker.record(False)
-    breaker.record(False)
-    now[0] = 2.0
-    assert breaker.allow()
-    breaker.record(False)
-    assert breaker.state == OPEN and breaker.times_opened == 2
-
-
-def test_cache_is_lru_bounded_and_can_be_off():
-    cache = ResultCache(2)
-    keys = [content_key(bytes([i])) for i in range(3)]
-    for key in keys:
-        cache.put(key, CachedAnswer(np.array([3], np.int32), np.array([0.5], np.float32), "primary", "square"))
-    assert len(cache) == 2 and cache.get(keys[0]) is None and cache.get(keys[2]) is not None
-    off = ResultCache(0)
-    off.put(keys[0], CachedAnswer(np.zeros(0, np.int32), np.zeros(0, np.float32), "fallback", "square"))
-    assert off.get(keys[0]) is None
-
-
-def test_pool_runs_high_priority_first_then_lower_rank_then_in_arrival_order():
-    async def scenario():
-        pool = BoundedPool(workers=1, queue=10)
-        gate = threading.Event()
-        order: list[str] = []
-        blocker = asyncio.create_task(pool.run(gate.wait))
-        await asyncio.sleep(0.05)
-        jobs = [asyncio.create_task(pool.run(order.append, name, high=high, rank=rank))
-                for name, high, rank in (("n1", False, 1), ("n0", False, 0), ("h1", True, 1), ("n1b", False, 1),
-                                         ("h0", True, 0), ("n0b", False, 0))]
-        await asyncio.sleep(0.05)
-        gate.set()
-        await asyncio.gather(blocker, *jobs)
-        return order
-
-    assert asyncio.run(scenario()) == ["h0", "h1", "n0", "n0b", "n1", "n1b"]
-
-
-def test_pool_bounds_queue_start_wait_and_run_time():
-    async def scenario():
-        pool = BoundedPool(workers=1, queue=1)
-        gate = threading.Event()
-        with pytest.raises(JobTimeout) as slow:  # started, then ran past its own limit
-            await pool.run(time.sleep, 0.3, budget_s=5, run_limit_s=0.05)
-        assert slow.value.by_run_limit
-        with pytest.raises(JobTimeout) as late:  # started, then the caller's budget ran out
-            await pool.run(time.sleep, 0.6, budget_s=0.3, run_limit_s=5)
-        assert not late.value.by_run_limit
-        blocker = asyncio.create_task(pool.run(time.sleep, 0.3))
-        await asyncio.sleep(0.05)
-        with pytest.raises(Overloaded):  # never started within its budget: cancelled, 429
-            await pool.run(time.sleep, 0, budget_s=0.05)
-        await blocker
-        gate.clear()
-        hold = asyncio.create_task(pool.run(gate.wait))
-        await asyncio.sleep(0.05)
-        queued = asyncio.create_task(pool.run(time.sleep, 0))
-        await asyncio.sleep(0.01)
-        with pytest.raises(Overloaded):  # one running + one waiting = full
-            await pool.run(time.sleep, 0)
-        gate.set()
-        await asyncio.gather(hold, queued)
-        return pool.pending
-
-    assert asyncio.run(scenario()) == 0
-
-
-def test_fault_file_overrides_settings_and_ends_a_hang(tmp_path):
-    path = tmp_path / "faults.json"
-    injector = FaultInjector("primary", FaultSpec(), str(path))
-    injector.before_batch()  # no file yet: the (empty) settings apply
-    path.write_text(json.dumps({"fault_primary_error_rate": 1.0}))
-    with pytest.raises(InjectedFault):
-        injector.before_batch()
-    path.write_text(json.dumps({"fault_primary_hang": True}))
-    threading.Timer(0.3, lambda: path.write_text("{}")).start()
-    start = time.monotonic()
-    injector.before_batch()  # returns once the file stops asking for a hang
-    assert time.monotonic() - start >= 0.25
-    path.write_text("not json")
-    injector.before_batch()  # an unreadable file falls back to the settings
-
-
-class _OomAbove(torch.nn.Module):
-    """A stand-in network that raises CUDA's OOM error for batches larger than ``limit``."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__()
-        self.limit = limit
-        self.linear = torch.nn.Linear(3, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] > self.limit:
-            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
-        return self.linear(x.mean(dim=(2, 3)))
-
-
-def test_oom_splits_the_batch_once_then_gives_up():
-    batch = np.random.default_rng(0).integers(0, 255, (4, 8, 8, 3), dtype=np.uint8)
-    reference = TorchClassifier(_OomAbove(limit=100), 127.0, 128.0, device="cpu")
-    engine = TorchClassifier(_OomAbove(limit=2), 127.0, 128.0, device="cpu")
-    engine.module.load_state_dict(reference.module.state_dict())
-    out = engine.predict(batch)
-    assert engine.oom_splits == 1
-    np.testing.assert_allclose(out, reference.predict(batch), rtol=1e-5, atol=1e-6)
-    with pytest.raises(torch.cuda.OutOfMemoryError):
-        TorchClassifier(_OomAbove(limit=1), 127.0, 128.0, device="cpu").predict(batch)  # halves of 2 still fail
 
 
 def test_service_time_separates_the_runners_compute_from_the_fixed_travel_time():

@@ -1,4 +1,5 @@
-"""Guard: every error class Rampart answers with is documented in docs/api.md's error table and mapped by the SDK."""
+"""``rampart.errors`` and the SDK's ``rampart_client.errors``: every error class Rampart answers with has a unique
+code and a proper status, is documented in docs/api.md's error table and is mapped by the SDK."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 import rampart_client.errors as client_errors
 from rampart import errors
 from rampart_client.client import error_from_body, parse_batch
+from tests.support import ROOT
 
 API_DOC = (Path(__file__).resolve().parents[2] / "docs" / "api.md").read_text()
 
@@ -47,3 +49,15 @@ def test_the_sdk_maps_every_error_on_its_status_alone_and_in_a_batch(cls):
     for error in (whole, in_batch):
         assert type(error) is expected_client_error(cls.status)
         assert (error.status, error.code, error.request_id) == (cls.status, cls.code, "rid")
+
+
+def test_every_error_has_a_unique_code_and_a_proper_status():
+    codes = [cls.code for cls in errors.ERROR_CLASSES]
+    assert len(codes) == len(set(codes))
+    for cls in errors.ERROR_CLASSES:
+        if issubclass(cls, errors.RequestError):
+            assert 400 <= cls.status < 500 and cls.status != 429
+    assert errors.Overloaded.status == 429 and errors.InternalError.status == 500
+    api_doc = (ROOT / "docs" / "api.md").read_text()
+    missing = [code for code in codes if f"`{code}`" not in api_doc]
+    assert not missing, f"error codes not documented in docs/api.md: {missing}"
