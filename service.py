@@ -12,6 +12,8 @@ Routes:
   ``rampart.api.app.create_app``, made at import (``@bentoml.asgi_app`` needs it then) and
   given its classifier and lifecycle by ``Rampart.__init__`` (``rampart.api.app.attach``).
 - any other path or method: JSON 404/405 (``rampart.api.routing.JSONRouteErrors``).
+- ``GET /metrics`` (BentoML's): answered from renderings shared by the scrapes waiting for them, at most
+  one per ``metrics_render_interval_ms`` (``rampart.telemetry.scrapes.CoalescedMetrics``).
 - ``POST /bentoml/classify`` and ``POST /bentoml/classify_batch``: ``/classify`` and
   ``/classify_batch`` as BentoML APIs, for ``bentoml.SyncHTTPClient`` and BentoML's OpenAPI
   page (Swagger UI at ``/``, ``/docs.json``; ``/docs`` redirects to it) (``rampart.api.bentoml_api``).
@@ -64,6 +66,7 @@ from rampart.coalesce import Coalescer
 from rampart.pipeline import Classifier, ModelEndpoint, RunnerAnswer, decode_pool
 from rampart.shadow import ShadowMirror, models_busy
 from rampart.telemetry import metrics
+from rampart.telemetry.scrapes import CoalescedMetrics
 from runners.common import RunnerItem
 from runners.fallback import Fallback
 from runners.primary import Primary
@@ -289,4 +292,7 @@ class Rampart:
                            self.lifecycle.in_flight, settings.max_deadline_ms)
 
 
+# A storm of /metrics scrapes costs one merge of the metric files per interval (rampart.telemetry.scrapes); inside
+# BentoML's own middlewares, so every scrape is still counted and traced as before.
+Rampart.add_asgi_middleware(CoalescedMetrics, interval_s=settings.metrics_render_interval_ms / 1000)
 Rampart.add_asgi_middleware(JSONRouteErrors, answered=route_error_answered)  # JSON 404/405: see rampart.api.routing

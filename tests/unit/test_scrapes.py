@@ -12,10 +12,15 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
 
 from rampart.api.app import attach
-from rampart.telemetry.scrapes import Refreshed
+from rampart.telemetry.scrapes import CoalescedMetrics, Refreshed
 
 
 class Clock:
@@ -179,3 +184,104 @@ def test_attaching_other_runner_stats_forgets_the_figures_of_the_old_ones(make_r
 
     attach(rig.client.app.app, runner_stats=other)
     assert rig.client.get("/stats").json()["primary"]["runner"] == {"other": "primary"}
+
+
+# --- CoalescedMetrics -------------------------------------------------------------------------------
+
+
+class Exposition:
+    """A stand-in for BentoML's ``/metrics``: renders ``value`` (read when a rendering begins) in ``delay_s``."""
+
+    def __init__(self, delay_s: float = 0.05) -> None:
+        self.delay_s = delay_s
+        self.value = 0
+        self.renders = 0
+        self.failing = False
+
+    async def render(self, request: Request) -> Response:
+        self.renders += 1
+        value = self.value
+        await asyncio.sleep(self.delay_s)
+        if self.failing:
+            raise RuntimeError("metric files unreadable")
+        return PlainTextResponse(f"rampart_value {value}\n", headers={"X-Render": str(self.renders)})
+
+
+def metrics_app(exposition: Exposition, interval_s: float) -> CoalescedMetrics:
+    """``CoalescedMetrics`` around an app serving ``exposition`` on ``/metrics`` (GET, PUT) and ``/other``."""
+    return CoalescedMetrics(Starlette(routes=[Route("/metrics", exposition.render, methods=["GET", "PUT"]),
+                                              Route("/other", exposition.render)]), interval_s)
+
+
+def scrape(app, requests):
+    """Run ``requests(client)`` (a coroutine function) against ``app`` in-process; its result."""
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://rampart") as client:
+            return await requests(client)
+
+    return asyncio.run(run())
+
+
+def test_a_storm_of_metrics_scrapes_shares_one_rendering():
+    exposition = Exposition()
+    coalesced = metrics_app(exposition, 0.5)
+    answers = scrape(coalesced, lambda client: asyncio.gather(*(client.get("/metrics") for _ in range(40))))
+    assert exposition.renders == 1 == coalesced.renders
+    assert {(a.status_code, a.text, a.headers["x-render"], a.headers["content-type"]) for a in answers} == {
+        (200, "rampart_value 0\n", "1", "text/plain; charset=utf-8")}
+
+
+def test_a_scrape_gets_a_rendering_begun_after_it_arrived_at_most_one_per_interval():
+    exposition = Exposition(delay_s=0.3)
+    coalesced = metrics_app(exposition, 0.3)
+
+    async def requests(client) -> tuple:
+        started = time.monotonic()
+        early = asyncio.ensure_future(client.get("/metrics"))
+        await asyncio.sleep(0.1)  # the first rendering is under way (it read value 0)
+        exposition.value = 1  # written before the late scrapes arrive: they must show it
+        late = await asyncio.gather(*(client.get("/metrics") for _ in range(10)))
+        return await early, late, time.monotonic() - started
+
+    early, late, took_s = scrape(coalesced, requests)
+    assert early.text == "rampart_value 0\n"
+    assert {answer.text for answer in late} == {"rampart_value 1\n"} and exposition.renders == 2
+    assert took_s >= 0.3 + 0.3  # the second rendering began an interval after the first, and took 0.3 s
+    again = scrape(coalesced, lambda client: client.get("/metrics"))
+    assert again.text == "rampart_value 1\n" and exposition.renders == 3
+
+
+def test_a_failed_rendering_fails_every_scrape_that_waited_for_it_and_the_next_one_renders_again():
+    exposition = Exposition()
+    exposition.failing = True
+    coalesced = metrics_app(exposition, 0.05)
+
+    async def failing(client) -> list:
+        return await asyncio.gather(*(client.get("/metrics") for _ in range(5)), return_exceptions=True)
+
+    failed = scrape(coalesced, failing)
+    assert len(failed) == 5 and all(isinstance(error, RuntimeError) for error in failed)
+    exposition.failing = False
+    assert scrape(coalesced, lambda client: client.get("/metrics")).status_code == 200
+    assert exposition.renders == 2
+
+
+def test_other_methods_paths_and_interval_0_pass_through():
+    exposition = Exposition(delay_s=0.0)
+    coalesced = metrics_app(exposition, 0.5)
+
+    async def others(client) -> list:
+        return [await client.put("/metrics"), await client.head("/metrics"), await client.get("/other"),
+                await client.get("/other")]
+
+    assert [answer.status_code for answer in scrape(coalesced, others)] == [200] * 4
+    assert exposition.renders == 4 and coalesced.renders == 0
+    off = metrics_app(exposition, 0.0)
+    scrape(off, lambda client: asyncio.gather(*(client.get("/metrics") for _ in range(3))))
+    assert exposition.renders == 7 and off.renders == 0
+
+
+def test_a_negative_interval_is_refused():
+    with pytest.raises(ValueError, match="interval_s"):
+        CoalescedMetrics(Starlette(), -0.1)
