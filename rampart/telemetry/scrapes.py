@@ -78,7 +78,7 @@ class Refreshed(Generic[Value]):
         if kept is not None and self.clock() - kept.started < self.max_age_s:
             return kept.value, self.clock() - kept.started
         task = self._in_flight.get(key)
-        if task is None:
+        if task is None or task.done():  # done while still here: cancelled before it began (the loop is closing)
             task = asyncio.ensure_future(self._fetch(key))
             self._in_flight[key] = task
             task.add_done_callback(_retrieve)
