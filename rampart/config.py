@@ -202,6 +202,15 @@ class Settings(BaseModel):
     admission_prediction: Literal["meter", "service"] = "meter"
     honour_deadlines: bool = True
 
+    # Monitoring that stays cheap under a storm of scrapes (rampart.telemetry.scrapes, docs/observability.md).
+    # GET /stats takes each runner's counters from a copy in the API worker, asked again when it is older than
+    # this (one call in flight per runner; the body's runner_age_ms says how old); 0: asked on every /stats.
+    stats_runner_refresh_ms: int = Field(500, ge=0)
+    # GET /metrics (every process's metric files merged) is rendered at most once per this interval; each
+    # scrape gets the next rendering begun after it arrived, shared with the scrapes waiting for the same one;
+    # 0: every scrape renders its own.
+    metrics_render_interval_ms: int = Field(500, ge=0)
+
     # Content-hash LRU cache of answers, used when both models fail; 0 turns it off.
     cache_size: int = Field(1024, ge=0)
 

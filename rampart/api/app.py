@@ -8,7 +8,8 @@ Routes:
 
 - ``POST /classify``: a raw image body or multipart field ``image``.
 - ``POST /classify_batch``: multipart, field ``images`` repeated.
-- ``GET /stats``: admission queues, throughput, breaker state, runner counters.
+- ``GET /stats``: admission queues, throughput, breaker state, runner counters (a copy at most
+  ``stats_runner_refresh_ms`` old: ``rampart.telemetry.scrapes.Refreshed``).
 - ``GET /docs``: a redirect to BentoML's OpenAPI page (Swagger UI at ``/``, ``/docs.json``).
 - ``/v2/...``: the Open Inference Protocol (KServe v2 / Triton HTTP), ``rampart.api.oip``.
 
@@ -51,6 +52,7 @@ from rampart.pipeline import Pipeline
 from rampart.shadow import ShadowMirror
 from rampart.telemetry import metrics
 from rampart.telemetry.accesslog import log_request, server_timing
+from rampart.telemetry.scrapes import Refreshed
 
 __all__ = [
     "AppState",
@@ -87,7 +89,11 @@ async def _no_runner_stats(role: str) -> dict | None:
 class AppState:
     """What the routes need: ``settings``, and from ``attach`` the ``pipeline``, the ``lifecycle``,
     ``loop_lag_ms()`` (the event loop's recent lag, ms, kept back from each deadline),
-    ``runner_stats`` (for ``GET /stats``) and ``shadow`` (the shadow-traffic mirror, or None)."""
+    ``runner_stats`` (for ``GET /stats``) and ``shadow`` (the shadow-traffic mirror, or None).
+
+    ``runner_figures`` keeps what ``runner_stats`` last gave per role, asked again at most every
+    ``settings.stats_runner_refresh_ms`` with one call in flight per role (``Refreshed``): ``GET /stats``
+    reads it, so however often it is scraped the runners get at most one call each per interval."""
 
     settings: Settings
     pipeline: Pipeline | None = None
@@ -95,6 +101,18 @@ class AppState:
     loop_lag_ms: Callable[[], float] = lambda: 0.0
     runner_stats: RunnerStats = _no_runner_stats
     shadow: ShadowMirror | None = None  # shadow traffic (``rampart.shadow``), off when None
+    runner_figures: Refreshed = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.runner_figures = Refreshed(self._ask_runner, self.settings.stats_runner_refresh_ms / 1000.0)
+
+    async def _ask_runner(self, role: str) -> dict | None:
+        """``runner_stats(role)``, or None (logged) when it raises: a failing runner leaves ``/stats`` answering."""
+        try:
+            return await self.runner_stats(role)
+        except Exception as exc:
+            logger.info("%s runner stats unavailable: %s", role, exc)
+            return None
 
     def ready(self) -> bool:
         """Whether requests are admitted: warmed up (``Lifecycle.mark_ready``) and not draining (``/readyz``)."""
@@ -161,6 +179,8 @@ def attach(app: Starlette, *, pipeline: Pipeline | None = None, lifecycle: Lifec
     for name, value in given.items():
         if value is not None:
             setattr(state, name, value)
+    if runner_stats is not None:
+        state.runner_figures.clear()  # the figures of the runner_stats before are not these runners'
     return state
 
 
@@ -314,12 +334,21 @@ async def stats(request: Request, state: AppState) -> Response:
     One API worker's view (``api_worker``): its gates, breaker, cache, decoders and
     requests in flight; the runners' counters are the runners' own, shared by all
     workers. Rampart's Prometheus metrics on ``/metrics`` add up every worker.
+
+    Everything but the runners' counters is this worker's own state, read without I/O
+    (the windows it summarises are bounded: ``rampart.pipeline.CONFIDENCE_WINDOW``,
+    ``rampart.shadow.LATENCY_WINDOW``). Each runner's ``runner`` counters come from
+    ``state.runner_figures``, at most ``stats_runner_refresh_ms`` old when the last ask began
+    that long ago or less, else asked anew (None while the runner cannot answer);
+    ``runner_age_ms`` is how long ago the ask that gave them began.
     """
+    figures = await asyncio.gather(*(state.runner_figures.get(role) for role in ("primary", "fallback")))
     body = state.pipeline.state()
     body["api_worker"] = api_worker(state.pipeline.settings)
     body["lifecycle"] = {"state": state.lifecycle.state, "in_flight": state.lifecycle.in_flight}
-    for role in ("primary", "fallback"):
-        body[role]["runner"] = await state.runner_stats(role)
+    for role, (counters, age_s) in zip(("primary", "fallback"), figures):
+        body[role]["runner"] = counters
+        body[role]["runner_age_ms"] = round(age_s * 1000.0, 1)
     body["shadow"] = None if state.shadow is None else state.shadow.state()
     return JSONResponse(body)
 

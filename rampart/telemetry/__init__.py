@@ -1,1 +1,2 @@
-"""What Rampart tells its operators: Prometheus metrics (``metrics``) and the one JSON access-log line per request (``accesslog``)."""
+"""What Rampart tells its operators: Prometheus metrics (``metrics``), the one JSON access-log line per request
+(``accesslog``), and what keeps ``/stats`` and ``/metrics`` cheap under a storm of scrapes (``scrapes``)."""

@@ -81,7 +81,8 @@ def test_one_log_line_per_request(server):
             name = sorted(PHOTOS)[i % len(PHOTOS)]
             response = client.post("/classify", content=encode(photo(name)), headers={"X-Request-Id": f"obs-count-{i}"})
             assert response.status_code == 200
-        # /stats calls both runners: once it answers, their lines for the batches before it are written.
+        # /stats calls both runners (its copy of their counters is older than STATS_RUNNER_REFRESH_MS, 500 ms, after
+        # 12 requests): once it answers, their lines for the batches before it are written.
         assert client.get("/stats").status_code == 200
     new = server.log_path.read_text(errors="replace").splitlines()[before:]
     ours = [line for line in new if '"obs-count-' in line]
