@@ -132,6 +132,10 @@ class Settings(BaseModel):
     # (docs/overload.md, "Predicting completion").
     runner_coalescing: bool = True
     runner_calls_in_flight: int = Field(1, ge=1)
+    # How a runner's batch dispatcher waits for its batch slot while a batch computes and requests are
+    # queued: "release" waits for the slot's release (rampart.compat.bentoml_batching.wake_on_release);
+    # "poll" is BentoML's own 1 ms poll, kept for the same-run A/B (docs/serving-cost.md).
+    runner_dispatch_wake: Literal["release", "poll"] = "release"
     primary_queue_delay_ms: int = Field(200, gt=0)
     fallback_queue_delay_ms: int = Field(200, gt=0)
     primary_throughput_ips: float = Field(0.0, ge=0.0)

@@ -32,7 +32,7 @@ from inference.stored import load_engine
 from rampart.api.lifecycle import RUNNER_EXIT_MARGIN_S, intercept_exit_signals, wait_for_entry_workers
 from rampart.api.lifecycle import logger as lifecycle_log
 from rampart.compat import check_versions
-from rampart.compat.bentoml_batching import dispatch_when_free
+from rampart.compat.bentoml_batching import dispatch_when_free, wake_on_release
 from rampart.compat.bentoml_private import debug_mode
 from rampart.config import Settings, default_cpu_threads, get_settings
 from rampart.cores import place_this_process, usable_cores
@@ -45,6 +45,8 @@ __all__ = ["RunnerItem", "RunnerResult", "BucketedRunner", "RunnerSpec", "runner
 
 check_versions()  # the runner processes run on the pinned BentoML, uvicorn and httptools, or not at all
 dispatch_when_free()  # BentoML's batcher learns to hold a lone request back after an overload: see the function
+if get_settings().runner_dispatch_wake == "release":
+    wake_on_release()  # BentoML's batcher polls every 1 ms for a free batch slot: see the function
 
 
 class RunnerItem(bentoml.IODescriptor):

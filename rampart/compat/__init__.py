@@ -7,7 +7,7 @@ fails on a private import anywhere else):
 
 - ``bentoml_server``: BentoML's HTTP server middlewares and IO classes
   (``cancel_request_timers``, ``bound_endpoint_labels``, ``cache_io_media_types``).
-- ``bentoml_batching``: BentoML's adaptive batching (``dispatch_when_free``).
+- ``bentoml_batching``: BentoML's adaptive batching (``dispatch_when_free``, ``wake_on_release``).
 - ``circus_arbiter``: BentoML's circus arbiter at SIGTERM (``keep_runner_sockets_until_stopped``).
 - ``uvicorn_httptools``: uvicorn's httptools protocol (``limit_request_heads`` with
   ``HeadLimitedProtocol``, ``stamp_arrivals``).
@@ -20,7 +20,9 @@ fails on a private import anywhere else):
 Each patch is idempotent and marks what it replaced. ``apply_all()`` checks the versions
 (``check_versions``) and applies every patch; ``service.py`` calls it when imported, which
 ``bentoml serve`` does in every process (entry service and runners); ``runners.common`` checks the
-versions and applies ``dispatch_when_free`` itself when imported. docs/compat.md lists the patches
+versions and applies ``dispatch_when_free`` itself when imported, and ``wake_on_release`` (the one
+patch ``apply_all`` leaves out: it runs only in runners, and ``RUNNER_DISPATCH_WAKE=poll`` turns it
+off for the A/B). docs/compat.md lists the patches
 and what to do when upgrading BentoML.
 """
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import importlib.metadata
+import json
 import re
 import subprocess
 import sys
@@ -21,10 +22,11 @@ from rampart.compat.targets import TARGETS, source_sha256, upstream_source
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: Every patch ``apply_all`` applies, as ``module.function`` in ``rampart.compat``.
+#: Every patch, as ``module.function`` in ``rampart.compat``: those ``apply_all`` applies, and
+#: ``wake_on_release``, which ``runners.common`` applies (``RUNNER_DISPATCH_WAKE``).
 PATCHES = {
     "bentoml_server.cancel_request_timers", "bentoml_server.bound_endpoint_labels",
-    "bentoml_server.cache_io_media_types", "bentoml_batching.dispatch_when_free",
+    "bentoml_server.cache_io_media_types", "bentoml_batching.dispatch_when_free", "bentoml_batching.wake_on_release",
     "circus_arbiter.keep_runner_sockets_until_stopped", "uvicorn_httptools.limit_request_heads",
     "uvicorn_httptools.stamp_arrivals", "uvicorn_app.serve_behind_bound",
 }
@@ -154,6 +156,53 @@ def test_bentoml_dispatcher_learns_no_batching_wait():
     optimizer.trigger_refresh()
     assert optimizer.wait == 0.0
     assert optimizer.o_a > 0  # the batch-cost fit is kept
+
+
+def dispatcher_polls_while_a_batch_computes(patched: bool) -> tuple[int, int, list]:
+    """In a child process: BentoML's ``CorkDispatcher`` (max batch 4) with a 50 ms batch and 8 callers, so
+    that requests wait while a batch computes. Returns (1 ms polls of the controller, batches, answers)."""
+    code = f"""
+import asyncio, json, time
+from bentoml._internal.marshal import dispatcher
+from rampart.compat.bentoml_batching import dispatch_when_free, wake_on_release
+dispatch_when_free()
+if {patched}:
+    wake_on_release()
+polls, batches = [0], [0]
+sleep = asyncio.sleep
+async def counting_sleep(delay, *args):
+    if delay == dispatcher.CorkDispatcher.TICKET_INTERVAL:
+        polls[0] += 1
+    return await sleep(delay, *args)
+dispatcher.asyncio.sleep = counting_sleep  # the module's own reference: only the dispatcher's sleeps count
+def model(batch):
+    batches[0] += 1
+    time.sleep(0.05)
+    return [x * 10 for x in batch]
+async def main():
+    cork = dispatcher.CorkDispatcher(60_000, 4, fallback=lambda: None, get_batch_size=lambda x: 1)
+    call = cork(model)
+    for i in range(12):  # the optimizer's 11 training batches, one request each (they poll either way)
+        await call(i)
+    polls[0] = batches[0] = 0
+    answers = await asyncio.gather(*(call(i) for i in range(24)))
+    print(json.dumps([polls[0], batches[0], answers]), flush=True)
+asyncio.run(main())
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    polls, batches, answers = json.loads(done.stdout.strip().splitlines()[-1])
+    return polls, batches, answers
+
+
+def test_bentoml_dispatcher_waits_for_the_batch_slot_instead_of_polling():
+    """Upstream polls every 1 ms while its one batch slot is taken and requests wait; the patch waits for the
+    release. Both dispatch every request, in batches of at most 4, and answer each with its own result."""
+    upstream = dispatcher_polls_while_a_batch_computes(patched=False)
+    released = dispatcher_polls_while_a_batch_computes(patched=True)
+    assert upstream[0] >= 5 * upstream[1], upstream  # tens of polls per 50 ms batch upstream
+    assert released[0] == 0, released
+    for _, batches, answers in (upstream, released):
+        assert answers == [i * 10 for i in range(24)] and 6 <= batches <= 24
 
 
 def test_bentoml_timeout_middleware_still_answers_504_when_nothing_was_sent_in_time():
