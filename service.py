@@ -196,7 +196,8 @@ class Rampart:
             decode_pool(settings),
         )
         self.loop_lag = LoopLagMonitor()
-        bound_inflight(self.pipeline.inflight_limit, refuse_before_admission(http_app), ADMITTED_ROUTES)
+        bound_inflight(self.pipeline.inflight_limit, refuse_before_admission(http_app), ADMITTED_ROUTES,
+                       watch_hang_ups=settings.cancel_on_hang_up)
         metrics.init_api_series()
         self.lifecycle = Lifecycle()
         self.shadow = None if not settings.shadow_model else ShadowMirror(

@@ -136,6 +136,9 @@ class Settings(BaseModel):
     # queued: "release" waits for the slot's release (rampart.compat.bentoml_batching.wake_on_release);
     # "poll" is BentoML's own 1 ms poll, kept for the same-run A/B (docs/serving-cost.md).
     runner_dispatch_wake: Literal["release", "poll"] = "release"
+    # A request whose client closes the connection after its body and before the answer is cancelled where it
+    # waits and its places are released (rampart.hangup); false: it runs to the end, as before (the A/B arm).
+    cancel_on_hang_up: bool = True
     primary_queue_delay_ms: int = Field(200, gt=0)
     fallback_queue_delay_ms: int = Field(200, gt=0)
     primary_throughput_ips: float = Field(0.0, ge=0.0)

@@ -28,6 +28,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from rampart.telemetry import metrics
+from rampart.hangup import hung_up, set_stage
 from rampart.overload.admission import AdmissionGate, Shed, Ticket
 from rampart.overload.breaker import STATE_VALUES, CircuitBreaker
 from rampart.inputs.buckets import Bucket
@@ -223,14 +224,22 @@ class ModelLane:
 
         async def admitted_call() -> RunnerResult:
             nonlocal dispatched, progress_at_dispatch
+            set_stage("queue")
             async with ticket.turn(lambda: deadline.remaining_s(self.share), bucket.name):
                 dispatched, progress_at_dispatch = True, self.responses
+                set_stage("model")
                 call = asyncio.ensure_future(self.endpoint.call(bucket.name, pixels, deadline.epoch_s(self.share)))
                 call.add_done_callback(self._responded)
                 call.add_done_callback(functools.partial(self._observe, time.monotonic(), self.gate.dispatched))
                 # Shielded: when this request stops waiting, the runner call still finishes
-                # (the runner has the item either way), so its answer counts as progress.
-                return await asyncio.shield(call)
+                # (the runner has the item either way), so its answer counts as progress;
+                # but when its client has gone, an image not yet sent is taken back (rampart.hangup).
+                try:
+                    return await asyncio.shield(call)
+                except asyncio.CancelledError:
+                    if hung_up():
+                        call.cancel()
+                    raise
 
         def timed_out() -> Attempt:
             # A late call is a failure for the breaker only if the runner sent nothing back

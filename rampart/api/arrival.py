@@ -45,6 +45,8 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable, Collection
 
+from rampart.hangup import serve_until_hang_up
+
 __all__ = ["ARRIVAL_KEY", "FUTURE_SKEW_MS", "Arrival", "arrival_of", "parse_request_start", "bound_inflight",
            "behind_bound", "InflightBound"]
 
@@ -108,15 +110,18 @@ def arrival_of(scope: dict, request_start: str | None, max_age_ms: float) -> Arr
 class InflightBound:
     """At most ``limit()`` requests to ``paths`` in flight in this worker; the next gets ``refuse(scope, receive, send)``.
 
-    Sits in front of every middleware (see ``bound_inflight``). ``inflight`` is the
+    Sits in front of every middleware (see ``bound_inflight``). With ``watch_hang_ups`` each request
+    runs under ``rampart.hangup.serve_until_hang_up``: when its client goes, it stops and its place here
+    (and every other) is given back at once. ``inflight`` is the
     number of such requests being handled now; ``refused`` counts refusals.
     """
 
     def __init__(self, limit: Callable[[], int], refuse: Callable[[dict, Callable, Callable], Awaitable[None]],
-                 paths: Collection[str]) -> None:
+                 paths: Collection[str], watch_hang_ups: bool = True) -> None:
         self.limit = limit
         self.refuse = refuse
         self.paths = frozenset(paths)
+        self.watch_hang_ups = watch_hang_ups
         self.inflight = 0
         self.refused = 0
         self._wrapped: dict[int, Callable] = {}
@@ -136,13 +141,22 @@ class InflightBound:
                     return await self.refuse(scope, receive, send)
                 self.inflight += 1
                 try:
-                    await app(scope, receive, send)
+                    if self.watch_hang_ups:  # a client that goes takes its request with it (rampart.hangup)
+                        await serve_until_hang_up(app, scope, receive, send, _count_client_gone)
+                    else:
+                        await app(scope, receive, send)
                 finally:
                     self.inflight -= 1
 
             bounded._rampart_bound = self
             wrapped = self._wrapped[id(app)] = bounded
         return wrapped
+
+
+def _count_client_gone(stage: str) -> None:
+    from rampart.telemetry import metrics  # here: the decode workers import this module's callers too
+
+    metrics.CLIENT_GONE.labels(stage).inc()
 
 
 def _is_high_priority(scope: dict) -> bool:
@@ -157,10 +171,10 @@ _bound: InflightBound | None = None
 
 
 def bound_inflight(limit: Callable[[], int], refuse: Callable[[dict, Callable, Callable], Awaitable[None]],
-                   paths: Collection[str]) -> InflightBound:
+                   paths: Collection[str], watch_hang_ups: bool = True) -> InflightBound:
     """Install (or replace) the in-flight bound that ``behind_bound`` puts in front of the app; returns it."""
     global _bound
-    _bound = InflightBound(limit, refuse, paths)
+    _bound = InflightBound(limit, refuse, paths, watch_hang_ups)
     return _bound
 
 

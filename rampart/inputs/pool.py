@@ -52,6 +52,7 @@ from concurrent.futures import Future
 from typing import Callable, TypeVar
 
 from rampart.errors import Overloaded
+from rampart.hangup import hung_up
 
 __all__ = ["BoundedPool", "JobTimeout", "WorkerDied"]
 
@@ -389,8 +390,8 @@ class BoundedPool:
             done, _ = await asyncio.wait([result], timeout=max(min(run_limit_s, left_s), 0.0))
             if done:
                 return result.result()
-        except asyncio.CancelledError:  # the request went away: free its worker too
-            if not future.cancel():
+        except asyncio.CancelledError:  # the request stopped waiting: free its worker too
+            if not future.cancel() and not hung_up():  # a client gone: its running job ends by itself, in ms
                 self._abandon(future)
             raise
         self._abandon(future)

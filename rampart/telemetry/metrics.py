@@ -22,6 +22,7 @@ import time
 import psutil
 from prometheus_client import Counter, Gauge, Histogram
 
+from rampart.hangup import STAGES as HANG_UP_STAGES
 from rampart.inputs import recovery
 from rampart.overload.admission import PRIORITIES
 
@@ -57,6 +58,9 @@ TTL_DROPPED = Counter(
 FALLBACK = Counter("rampart_fallback_total", "Requests handed to the fallback, by why the primary did not answer.",
                    ["reason"])
 DEGRADED = Counter("rampart_degraded_total", "Degraded answers by degraded_reason.", ["reason"])
+CLIENT_GONE = Counter("rampart_client_gone_total",
+                      "Requests whose client closed the connection before the answer, by where they were "
+                      "(rampart.hangup.STAGES): their places were released and they were not answered.", ["stage"])
 BREAKER_STATE = Gauge(
     "rampart_circuit_breaker_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open.", ["model"],
     multiprocess_mode="livemax",
@@ -128,6 +132,8 @@ def init_api_series() -> None:
     for priority in PRIORITIES:
         for outcome in PRIORITY_OUTCOMES:
             PRIORITY_OUTCOMES_TOTAL.labels(priority, outcome)
+    for stage in HANG_UP_STAGES:
+        CLIENT_GONE.labels(stage)
 
 
 def init_runner_series(model: str) -> None:
