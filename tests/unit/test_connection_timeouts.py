@@ -160,3 +160,17 @@ def test_a_head_that_times_out_behind_a_response_in_progress_closes_after_that_r
         writer.close()
 
     serving(test, slow)
+
+
+def test_limit_request_heads_takes_both_timeouts_from_the_settings():
+    from rampart.compat.uvicorn_httptools import limit_request_heads
+    from rampart.config import Settings
+
+    before = HeadLimitedProtocol.head_timeout_s, HeadLimitedProtocol.keep_alive_timeout_s
+    assert (Settings().request_head_timeout_ms, Settings().keep_alive_timeout_s) == (10_000, 5.0)
+    settings = Settings.from_env({"RAMPART_REQUEST_HEAD_TIMEOUT_MS": "1500", "RAMPART_KEEP_ALIVE_TIMEOUT_S": "2.5"})
+    try:
+        limit_request_heads(settings)
+        assert (HeadLimitedProtocol.head_timeout_s, HeadLimitedProtocol.keep_alive_timeout_s) == (1.5, 2.5)
+    finally:
+        HeadLimitedProtocol.head_timeout_s, HeadLimitedProtocol.keep_alive_timeout_s = before
