@@ -180,8 +180,9 @@ def limit_request_heads(settings: Settings | None = None) -> None:
     that has sent no request (module doc). Upstream: uvicorn has no head-size
     limit for httptools (https://github.com/Kludex/uvicorn/issues/157, closed; the limit proposed in
     https://github.com/Kludex/uvicorn/pull/1684 was not merged, and
-    https://github.com/MagicStack/httptools/issues/87 explains that it must act before parsing).
-    Written for uvicorn 0.54.0 with httptools 0.9.0; targets ``uvicorn.config.HTTP_PROTOCOLS`` and the
+    https://github.com/MagicStack/httptools/issues/87 explains that it must act before parsing); a
+    connection that sends nothing is never timed out (https://github.com/Kludex/uvicorn/pull/1192, closed
+    unmerged, reported still so in 0.23.2), and any byte cancels the keep-alive timer. Written for uvicorn 0.54.0 with httptools 0.9.0; targets ``uvicorn.config.HTTP_PROTOCOLS`` and the
     ``HttpToolsProtocol`` methods ``HeadLimitedProtocol`` overrides or relies on (``__init__`` for
     ``timeout_keep_alive``, ``on_response_complete`` and ``timeout_keep_alive_handler`` for the
     keep-alive timer, ``RequestResponseCycle.send`` for closing after a response).
