@@ -52,6 +52,13 @@ class Settings(BaseModel):
 
     # Upload and decode limits (checked from the header, before any pixel is decoded).
     max_body_bytes: int = Field(20_000_000, gt=0)
+    # Connections (rampart.compat.uvicorn_httptools.HeadLimitedProtocol): a connection whose request head
+    # (request line and headers) is not complete this long after its first byte, or after the connection
+    # was opened, is closed; so is a keep-alive connection idle this long between requests (uvicorn's
+    # timeout_keep_alive, which it replaces). Behind a proxy, keep_alive_timeout_s must exceed the proxy's
+    # idle timeout to Rampart (docs/deploy.md, "Connection timeouts").
+    request_head_timeout_ms: int = Field(10_000, gt=0)
+    keep_alive_timeout_s: float = Field(5.0, gt=0)
     max_pixels: int = Field(50_000_000, gt=0)
     min_side_px: int = Field(16, ge=1)
     max_aspect_ratio: float = Field(10.0, ge=1.0)

@@ -1,4 +1,4 @@
-"""Patches of uvicorn 0.54.0's httptools protocol (httptools 0.9.0): the request-head bound and arrival stamps.
+"""Patches of uvicorn 0.54.0's httptools protocol (httptools 0.9.0): the request-head bound and timeout, and arrival stamps.
 
 This module imports ``uvicorn.protocols.http.httptools_impl``, which needs httptools; nothing else
 does (the in-flight bound's hook, ``rampart.compat.uvicorn_app``, works with any uvicorn protocol).
@@ -21,6 +21,18 @@ and closes the connection. ``limit_request_heads()`` makes uvicorn use it for
 ``http="auto"`` and ``"httptools"``; it is applied when ``service.py`` is imported,
 before BentoML's worker builds its uvicorn config.
 
+**A time limit on each request head, and on idle keep-alive connections.** uvicorn arms its
+keep-alive timer (``timeout_keep_alive``; 5 s, the default of BentoML's worker, which has no
+configuration key for it) only when a response is complete, and ``data_received`` cancels it at
+any byte. A connection that never sends a request, or that trickles its head a byte at a time, was
+therefore never closed: each one held a file descriptor for as long as the client wanted.
+``HeadLimitedProtocol`` keeps one timer per connection from its first byte of a request head (from
+``connection_made`` on a fresh connection) until that head is complete (``on_headers_complete``);
+past ``request_head_timeout_ms`` the connection is closed, with no answer (as nginx's
+``client_header_timeout`` does). Between requests uvicorn's own keep-alive timer runs, set to
+``keep_alive_timeout_s``. Both come from the settings (``rampart.config``) when
+``limit_request_heads()`` runs.
+
 **First byte.** ``stamp_arrivals()`` notes when each request's first byte arrived in its
 ASGI scope (``rampart.api.arrival.ARRIVAL_KEY``), where the deadline clock starts.
 
@@ -33,10 +45,13 @@ from __future__ import annotations
 import time
 import uuid
 
+from asyncio import TimerHandle
+
 from starlette.responses import JSONResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from rampart.api.arrival import ARRIVAL_KEY
+from rampart.config import Settings, get_settings
 from rampart.telemetry import metrics
 from rampart.telemetry.accesslog import log_request
 from rampart.errors import HeadersTooLarge
@@ -54,15 +69,28 @@ _END_OF_HEAD = b"\r\n\r\n"
 
 
 class HeadLimitedProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol that refuses a request head over ``MAX_HEAD_BYTES`` with a JSON 431.
+    """uvicorn's httptools protocol that refuses a request head over ``MAX_HEAD_BYTES`` with a JSON 431,
+    and closes a connection whose request head is not complete within ``head_timeout_s``.
 
     The count covers the bytes from the end of the previous request up to the
     blank line that ends this head. A request pipelined behind another in the
     same read is counted from the next read on, so a head is refused at the
     latest ``MAX_HEAD_BYTES`` plus one read (256 KiB with asyncio and uvloop) later.
+
+    The head timer (one ``loop.call_later`` per connection at a time) starts at ``connection_made``
+    and, on a kept-alive connection, at the first read that arrives between the end of one request
+    and the end of the next head; ``on_headers_complete`` cancels it. When it fires while no response
+    is in progress the connection is closed; while one is (a head trickled behind a request that is
+    being answered), that response is sent with ``connection: close`` and the connection closed after
+    it. An idle connection between requests is closed by uvicorn's keep-alive timer after
+    ``keep_alive_timeout_s``.
     """
 
     max_head_bytes = MAX_HEAD_BYTES
+    #: Seconds from a head's first byte (or a fresh connection) to its end; set by ``limit_request_heads``.
+    head_timeout_s = Settings.model_fields["request_head_timeout_ms"].default / 1000
+    #: Seconds an idle keep-alive connection is kept; replaces uvicorn's ``timeout_keep_alive``.
+    keep_alive_timeout_s = Settings.model_fields["keep_alive_timeout_s"].default
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -70,11 +98,23 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._head_tail = b""  # the head's last bytes so far, to find an end cut between two reads
         self._refused = False  # a 431 was sent: what still arrives is dropped until the connection closes
+        self._head_timer: TimerHandle | None = None  # armed while a head is awaited or incomplete
+        self.timeout_keep_alive = self.keep_alive_timeout_s
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
         if self._in_head:
+            if self._head_timer is None:
+                self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
             self._head_bytes += self._head_part(data)
             if self._head_bytes > self.max_head_bytes:
                 self._refuse()
@@ -92,14 +132,31 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._cancel_head_timer()
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_head, self._head_bytes, self._head_tail = True, 0, b""
 
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        """Close the connection (after the response in progress, if any): its head took over ``head_timeout_s``."""
+        self._head_timer = None
+        if self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False  # uvicorn closes the connection once this response is sent
+        else:
+            self.transport.close()
+
     def _refuse(self) -> None:
         """Answer 431 with the JSON error body, count and log it, and close the connection after ``LINGER_S``."""
+        self._cancel_head_timer()
         request_id = uuid.uuid4().hex
         error = HeadersTooLarge(f"the request line and headers are over the limit of {self.max_head_bytes} bytes")
         body = JSONResponse(error.to_body(request_id)).body
@@ -115,17 +172,26 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         log_request(request_id, "", error.status, error.code, False, 0.0)
 
 
-def limit_request_heads() -> None:
-    """Make uvicorn's ``http="auto"`` and ``"httptools"`` use ``HeadLimitedProtocol`` (idempotent).
+def limit_request_heads(settings: Settings | None = None) -> None:
+    """Make uvicorn's ``http="auto"`` and ``"httptools"`` use ``HeadLimitedProtocol`` (idempotent), with the
+    head and keep-alive timeouts of ``settings`` (``get_settings()`` by default).
 
-    Fixes: no bound on a request head with httptools (module doc). Upstream: uvicorn has no head-size
+    Fixes: no bound on a request head's size or time with httptools, and no timeout on a connection
+    that has sent no request (module doc). Upstream: uvicorn has no head-size
     limit for httptools (https://github.com/Kludex/uvicorn/issues/157, closed; the limit proposed in
     https://github.com/Kludex/uvicorn/pull/1684 was not merged, and
-    https://github.com/MagicStack/httptools/issues/87 explains that it must act before parsing).
-    Written for uvicorn 0.54.0 with httptools 0.9.0; targets ``uvicorn.config.HTTP_PROTOCOLS`` and the
-    ``HttpToolsProtocol`` methods ``HeadLimitedProtocol`` overrides.
+    https://github.com/MagicStack/httptools/issues/87 explains that it must act before parsing); a
+    connection that sends nothing is never timed out (https://github.com/Kludex/uvicorn/pull/1192, closed
+    unmerged, reported still so in 0.23.2), and any byte cancels the keep-alive timer. Written for uvicorn 0.54.0 with httptools 0.9.0; targets ``uvicorn.config.HTTP_PROTOCOLS`` and the
+    ``HttpToolsProtocol`` methods ``HeadLimitedProtocol`` overrides or relies on (``__init__`` for
+    ``timeout_keep_alive``, ``on_response_complete`` and ``timeout_keep_alive_handler`` for the
+    keep-alive timer, ``RequestResponseCycle.send`` for closing after a response).
     """
     from uvicorn import config
+
+    settings = settings or get_settings()
+    HeadLimitedProtocol.head_timeout_s = settings.request_head_timeout_ms / 1000
+    HeadLimitedProtocol.keep_alive_timeout_s = settings.keep_alive_timeout_s
 
     target = f"{__name__}:{HeadLimitedProtocol.__name__}"
     config.HTTP_PROTOCOLS["auto"] = target

@@ -1,0 +1,145 @@
+"""Idle and slow connections on a real server: silent connections and trickled heads are closed by the head
+timeout, an answered keep-alive connection by the keep-alive timeout, while uploads are still answered.
+
+The module starts its own server with short timeouts (``HEAD_S``, ``KEEP_ALIVE_S``); the in-process tests
+of the same protocol are in ``tests/unit/test_connection_timeouts.py``.
+"""
+
+from __future__ import annotations
+
+import selectors
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.support import encode, photo
+
+HEAD_S = 1.5
+KEEP_ALIVE_S = 2.0
+#: Time allowed beyond a timeout for the server's loop to close a connection.
+MARGIN_S = 2.0
+SILENT = 200
+TRICKLING = 50
+TRICKLE_EVERY_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def timed_server(start_server):
+    return start_server(RAMPART_REQUEST_HEAD_TIMEOUT_MS=str(int(HEAD_S * 1000)),
+                        RAMPART_KEEP_ALIVE_TIMEOUT_S=str(KEEP_ALIVE_S))
+
+
+def connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.setblocking(False)
+    return sock
+
+
+def closed_by_server(sock: socket.socket) -> bool:
+    """Whether the server has closed ``sock`` (EOF or a reset); bytes it sent first are skipped."""
+    try:
+        while True:
+            if sock.recv(65536) == b"":
+                return True
+    except BlockingIOError:
+        return False
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+
+
+def close_times(socks: list[socket.socket], opened: float, limit_s: float, every_s: float = 0.0,
+                write=None) -> list[float]:
+    """Seconds from ``opened`` until the server closed each socket, ``inf`` for one still open at ``limit_s``.
+
+    ``write(sock)``, when given, is called on every open socket each ``every_s``.
+    """
+    times = [float("inf")] * len(socks)
+    selector = selectors.DefaultSelector()
+    for index, sock in enumerate(socks):
+        selector.register(sock, selectors.EVENT_READ, index)
+    next_write = opened
+    while selector.get_map() and time.monotonic() - opened < limit_s:
+        if write is not None and time.monotonic() >= next_write:
+            for key in list(selector.get_map().values()):
+                try:
+                    write(key.fileobj)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # closed: seen as readable below
+            next_write += every_s
+        for key, _ in selector.select(0.05):
+            if closed_by_server(key.fileobj):
+                times[key.data] = time.monotonic() - opened
+                selector.unregister(key.fileobj)
+    selector.close()
+    return times
+
+
+def test_silent_and_trickled_connections_are_closed_while_uploads_are_answered(timed_server):
+    port = int(timed_server.url.rsplit(":", 1)[1])
+    with httpx.Client(base_url=timed_server.url, timeout=30) as client:
+        assert client.post("/classify", content=encode(photo("coffee"))).status_code == 200  # warm
+    upload = encode(photo("chelsea"))
+    statuses: list[int] = []
+
+    def classify_meanwhile() -> None:
+        time.sleep(0.5)
+        with httpx.Client(base_url=timed_server.url, timeout=30) as client:
+            statuses.append(client.post("/classify", content=upload).status_code)
+
+    opened = time.monotonic()
+    silent = [connect(port) for _ in range(SILENT)]
+    silent_opened = time.monotonic()
+    trickling = [connect(port) for _ in range(TRICKLING)]
+    trickling_opened = time.monotonic()
+    head = b"POST /classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\n" + b"X-Pad: " + b"a" * 200
+    sent = {sock.fileno(): 0 for sock in trickling}
+
+    def trickle(sock: socket.socket) -> None:
+        if sock.fileno() in sent:
+            offset = sent[sock.fileno()]
+            sock.send(head[offset:offset + 1])
+            sent[sock.fileno()] = offset + 1
+
+    meanwhile = threading.Thread(target=classify_meanwhile)
+    meanwhile.start()
+    times = close_times(silent + trickling, opened, HEAD_S + MARGIN_S + 3, TRICKLE_EVERY_S, trickle)
+    quiet, trickled = times[:SILENT], [t - (trickling_opened - opened) for t in times[SILENT:]]
+    meanwhile.join(30)
+    for sock in silent + trickling:
+        sock.close()
+
+    print(f"silent: {SILENT} closed {min(quiet):.2f}-{max(quiet):.2f} s after opening (the last opened at "
+          f"{silent_opened - opened:.2f} s); trickled: {TRICKLING} closed {min(trickled):.2f}-{max(trickled):.2f} s, "
+          f"after {max(sent.values())} bytes at most")
+    assert max(quiet) <= (silent_opened - opened) + HEAD_S + MARGIN_S
+    assert max(trickled) <= HEAD_S + MARGIN_S
+    assert min(trickled) >= HEAD_S - 0.2 and min(quiet) >= HEAD_S - 0.2  # by the timeout, not at once
+    assert statuses == [200]
+    with httpx.Client(base_url=timed_server.url, timeout=30) as client:
+        assert client.get("/livez").status_code == 200
+        assert client.post("/classify", content=upload).status_code == 200
+
+
+def test_an_answered_keep_alive_connection_is_closed_after_the_keep_alive_timeout(timed_server):
+    port = int(timed_server.url.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    upload = encode(photo("coffee"))
+    sock.sendall(b"POST /classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nContent-Length: %d\r\n\r\n"
+                 % len(upload) + upload)
+    answer = b""
+    while b"\r\n\r\n" not in answer:
+        answer += sock.recv(65536)
+    assert answer.startswith(b"HTTP/1.1 200")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    answered = time.monotonic()
+    sock.setblocking(False)
+    idle = close_times([sock], answered, KEEP_ALIVE_S + MARGIN_S + 3)[0]
+    sock.close()
+    print(f"keep-alive: closed {idle:.2f} s after the answer")
+    assert KEEP_ALIVE_S - 0.2 <= idle <= KEEP_ALIVE_S + MARGIN_S

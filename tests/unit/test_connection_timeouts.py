@@ -1,0 +1,176 @@
+"""``rampart.compat.uvicorn_httptools.HeadLimitedProtocol``'s head and keep-alive timeouts, on a real uvicorn server.
+
+Each test runs uvicorn (``HeadLimitedProtocol`` with short timeouts) on 127.0.0.1 in the test's own
+event loop and talks to it with asyncio streams: a connection that sends nothing, or trickles its
+head, is closed once the head timeout has passed; an answered keep-alive connection is closed by the
+keep-alive timeout, not the head timeout, and its next request's head is timed again. The same on
+``bentoml serve``: ``tests/server/test_idle_connections.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import uvicorn
+
+from rampart.compat.uvicorn_httptools import HeadLimitedProtocol
+
+HEAD_S = 0.3
+KEEP_ALIVE_S = 0.8
+#: Extra time allowed for the loop to get round to a timer (the suite shares its CPUs).
+MARGIN_S = 1.0
+REQUEST = b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+class FastProtocol(HeadLimitedProtocol):
+    """``HeadLimitedProtocol`` with short timeouts; remembers its connections."""
+
+    head_timeout_s = HEAD_S
+    keep_alive_timeout_s = KEEP_ALIVE_S
+    made: list[HeadLimitedProtocol] = []
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        FastProtocol.made.append(self)
+
+
+async def hello(scope, receive, send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+def serving(test, app=hello):
+    """Run ``test(port)`` against a uvicorn server of ``app`` with ``FastProtocol`` on 127.0.0.1; stop it after."""
+
+    async def run() -> None:
+        FastProtocol.made.clear()
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        config = uvicorn.Config(app, http=FastProtocol, lifespan="off", log_level="warning", access_log=False)
+        server = uvicorn.Server(config)
+        serving_task = asyncio.create_task(server.serve(sockets=[listener]))
+        while not server.started:
+            await asyncio.sleep(0.01)
+        try:
+            await test(listener.getsockname()[1])
+        finally:
+            server.should_exit = True
+            await serving_task
+
+    asyncio.run(run())
+
+
+async def closed_after(reader: asyncio.StreamReader) -> float:
+    """Seconds until the server closes the connection (EOF or a reset); whatever it sends is skipped."""
+    started = time.monotonic()
+    try:
+        while await asyncio.wait_for(reader.read(65536), HEAD_S + KEEP_ALIVE_S + MARGIN_S * 3):
+            pass
+    except ConnectionResetError:
+        pass
+    return time.monotonic() - started
+
+
+async def answered(reader: asyncio.StreamReader) -> bytes:
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    await reader.readexactly(2)
+    return head
+
+
+def test_a_connection_that_sends_nothing_is_closed_after_the_head_timeout():
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        assert HEAD_S - 0.05 <= await closed_after(reader) <= HEAD_S + MARGIN_S
+        writer.close()
+
+    serving(test)
+
+
+def test_a_trickled_head_is_closed_after_the_head_timeout():
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+        async def trickle() -> None:
+            for byte in REQUEST[:-1]:
+                writer.write(bytes([byte]))
+                await asyncio.sleep(HEAD_S / 6)
+
+        trickling = asyncio.create_task(trickle())
+        assert await closed_after(reader) <= HEAD_S + MARGIN_S
+        trickling.cancel()
+        writer.close()
+
+    serving(test)
+
+
+def test_an_answered_connection_is_closed_by_the_keep_alive_timeout_and_the_head_timer_costs_nothing():
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(REQUEST)
+        assert (await answered(reader)).startswith(b"HTTP/1.1 200")
+        protocol = FastProtocol.made[-1]
+        assert protocol._head_timer is None  # cancelled when the head was complete, before the answer
+        assert protocol.timeout_keep_alive_task is not None
+        idle = await closed_after(reader)
+        assert KEEP_ALIVE_S - 0.05 <= idle <= KEEP_ALIVE_S + MARGIN_S  # not the head timeout, which is shorter
+        writer.close()
+
+    serving(test)
+
+
+def test_requests_on_a_kept_alive_connection_are_answered_and_a_later_trickled_head_is_closed():
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        for _ in range(3):  # each head in one piece: answered, the connection kept
+            writer.write(REQUEST)
+            assert (await answered(reader)).startswith(b"HTTP/1.1 200")
+            await asyncio.sleep(HEAD_S)  # idle longer than a head may take: the keep-alive timer runs instead
+        protocol = FastProtocol.made[-1]
+        assert len(FastProtocol.made) == 1 and protocol._head_timer is None
+        writer.write(REQUEST[:5])  # the next head starts, then stops
+        await asyncio.sleep(0.05)
+        assert protocol._head_timer is not None and protocol.timeout_keep_alive_task is None
+        assert await closed_after(reader) <= HEAD_S + MARGIN_S
+        writer.close()
+
+    serving(test)
+
+
+def test_a_head_that_times_out_behind_a_response_in_progress_closes_after_that_response():
+    release = asyncio.Event()
+
+    async def slow(scope, receive, send) -> None:
+        await release.wait()
+        await hello(scope, receive, send)
+
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(REQUEST)
+        await asyncio.sleep(0.05)
+        writer.write(REQUEST[:5])  # the start of a pipelined request that never ends
+        await asyncio.sleep(HEAD_S + 0.2)  # its head has timed out while the first request is being answered
+        protocol = FastProtocol.made[-1]
+        assert not protocol.transport.is_closing()
+        release.set()
+        head = await answered(reader)
+        assert head.startswith(b"HTTP/1.1 200") and b"connection: close" in head.lower()
+        assert await closed_after(reader) <= MARGIN_S
+        writer.close()
+
+    serving(test, slow)
+
+
+def test_limit_request_heads_takes_both_timeouts_from_the_settings():
+    from rampart.compat.uvicorn_httptools import limit_request_heads
+    from rampart.config import Settings
+
+    before = HeadLimitedProtocol.head_timeout_s, HeadLimitedProtocol.keep_alive_timeout_s
+    assert (Settings().request_head_timeout_ms, Settings().keep_alive_timeout_s) == (10_000, 5.0)
+    settings = Settings.from_env({"RAMPART_REQUEST_HEAD_TIMEOUT_MS": "1500", "RAMPART_KEEP_ALIVE_TIMEOUT_S": "2.5"})
+    try:
+        limit_request_heads(settings)
+        assert (HeadLimitedProtocol.head_timeout_s, HeadLimitedProtocol.keep_alive_timeout_s) == (1.5, 2.5)
+    finally:
+        HeadLimitedProtocol.head_timeout_s, HeadLimitedProtocol.keep_alive_timeout_s = before
