@@ -48,8 +48,8 @@ import psutil
 from starlette.requests import Request
 
 from rampart.api import oip
-from rampart.api.app import (attach, classify_batch_endpoint, classify_endpoint, create_app, refuse_before_admission,
-                             route_error_answered, state_of)
+from rampart.api.app import (answer_body_too_slow, attach, classify_batch_endpoint, classify_endpoint, create_app,
+                             refuse_before_admission, route_error_answered, state_of)
 from rampart.api.arrival import bound_inflight
 from rampart.api.bentoml_api import (CLASSIFY_API_ROUTE, CLASSIFY_BATCH_API_ROUTE, CLASSIFY_BATCH_DOC, CLASSIFY_DOC,
                                     BatchAnswer, BatchUpload, ClassifyAnswer, ImageUpload, documented)
@@ -197,7 +197,8 @@ class Rampart:
         )
         self.loop_lag = LoopLagMonitor()
         bound_inflight(self.pipeline.inflight_limit, refuse_before_admission(http_app), ADMITTED_ROUTES,
-                       watch_hang_ups=settings.cancel_on_hang_up)
+                       watch_hang_ups=settings.cancel_on_hang_up, too_slow=answer_body_too_slow(http_app),
+                       min_body_bytes_per_s=settings.min_body_bytes_per_s, body_grace_s=settings.body_grace_ms / 1000)
         metrics.init_api_series()
         self.lifecycle = Lifecycle()
         self.shadow = None if not settings.shadow_model else ShadowMirror(

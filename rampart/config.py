@@ -146,6 +146,12 @@ class Settings(BaseModel):
     # A request whose client closes the connection after its body and before the answer is cancelled where it
     # waits and its places are released (rampart.hangup); false: it runs to the end, as before (the A/B arm).
     cancel_on_hang_up: bool = True
+    # A request holds an in-flight place only once its body is in; a body must arrive at min_body_bytes_per_s
+    # after body_grace_ms (at t after the head, (t - grace) x rate bytes), else it is cut with 408 and the
+    # connection closed (rampart.api.arrival). 0 turns the rate check off. Behind nginx (which buffers the
+    # body before it sends it on) bodies arrive at loopback speed.
+    min_body_bytes_per_s: int = Field(16384, ge=0)
+    body_grace_ms: int = Field(2000, ge=0)
     primary_queue_delay_ms: int = Field(200, gt=0)
     fallback_queue_delay_ms: int = Field(200, gt=0)
     primary_throughput_ips: float = Field(0.0, ge=0.0)

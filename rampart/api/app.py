@@ -46,7 +46,7 @@ from rampart.api import http, oip
 from rampart.api.lifecycle import Lifecycle
 from rampart.config import Settings
 from rampart.cores import usable_cores
-from rampart.errors import InternalError, InvalidParameter, Overloaded, RampartError, Unavailable
+from rampart.errors import BodyTimeout, InternalError, InvalidParameter, Overloaded, RampartError, Unavailable
 from rampart.overload.deadline import Deadline
 from rampart.pipeline import Pipeline
 from rampart.shadow import ShadowMirror
@@ -55,6 +55,7 @@ from rampart.telemetry.accesslog import log_request, server_timing
 from rampart.telemetry.scrapes import Refreshed
 
 __all__ = [
+    "answer_body_too_slow",
     "AppState",
     "Call",
     "create_app",
@@ -393,3 +394,24 @@ def refuse_before_admission(app: Starlette) -> ASGIApp:
         await response(scope, receive, send)
 
     return refuse
+
+
+def answer_body_too_slow(app: Starlette) -> ASGIApp:
+    """The ASGI app answering 408 ``request_timeout`` (and closing the connection) to a request whose body
+    arrives slower than ``MIN_BODY_BYTES_PER_S`` after ``BODY_GRACE_MS`` (``rampart.api.arrival``), before
+    any middleware; the protocol's error form under ``/v2``."""
+    state = state_of(app)
+
+    async def too_slow(scope, receive, send) -> None:
+        request = Request(scope, receive)
+        settings = state.settings
+        error = BodyTimeout(f"the body arrived slower than {settings.min_body_bytes_per_s} bytes/s after the first "
+                            f"{settings.body_grace_ms} ms")
+        request_id = http.request_id_of(request)
+        response = failed(request, request_id, False, time.perf_counter(), error)
+        if oip.is_oip_path(scope["path"]):
+            response = oip.error_response(error, request_id)
+        response.headers["connection"] = "close"  # the rest of a slow body is not read
+        await response(scope, receive, send)
+
+    return too_slow

@@ -40,6 +40,7 @@ byte is read.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from dataclasses import dataclass
@@ -107,23 +108,59 @@ def arrival_of(scope: dict, request_start: str | None, max_age_ms: float) -> Arr
     return Arrival(now_monotonic - age_s, now_wall - age_s, age_s * 1000.0, source)
 
 
+#: Requests may be receiving their bodies at once, per in-flight place (``InflightBound``): receivers never hold
+#: an in-flight place, and one slower than the minimum body rate is cut after the grace, so this bounds only
+#: the connections (and the bytes) of bodies on their way.
+RECEIVING_PER_INFLIGHT_PLACE = 2
+
+
+class _BodyStop(BaseException):
+    """Raised from a request's ``receive`` to stop its app once the front has answered it (408 or 429):
+    a ``BaseException``, so no handler's ``except Exception`` takes it; ``InflightBound`` absorbs it."""
+
+
+@dataclass
+class _Body:
+    """One request's body phase at the front: ``due`` (event loop time by which more of the body must have
+    come), ``received`` bytes so far, and whether it still ``receiving`` or is ``admitted`` (in flight)."""
+
+    due: float
+    received: int = 0
+    receiving: bool = True
+    admitted: bool = False
+
+
 class InflightBound:
     """At most ``limit()`` requests to ``paths`` in flight in this worker; the next gets ``refuse(scope, receive, send)``.
 
-    Sits in front of every middleware (see ``bound_inflight``). With ``watch_hang_ups`` each request
-    runs under ``rampart.hangup.serve_until_hang_up``: when its client goes, it stops and its place here
-    (and every other) is given back at once. ``inflight`` is the
-    number of such requests being handled now; ``refused`` counts refusals.
+    Sits in front of every middleware (see ``bound_inflight``). A request holds an in-flight place only once
+    its body is in: while its body arrives it is *receiving*, bounded apart (``RECEIVING_PER_INFLIGHT_PLACE``
+    × ``limit()`` receivers; the next is refused at once), so slow bodies cannot take the places of requests
+    whose body has arrived. A body whose last byte completes with every in-flight place taken gets
+    ``refuse`` then. With ``min_body_bytes_per_s`` > 0 a body must arrive at that rate after
+    ``body_grace_s`` (at time t after the head, at least ``(t − grace) × rate`` bytes), else it is cut:
+    ``too_slow(scope, receive, send)`` answers (Rampart: 408 ``request_timeout``, connection closed).
+    ``inflight`` is the number of requests in flight now, ``receiving`` those still receiving their body;
+    ``refused`` counts refusals (at the head or when the body completed), ``cut`` the slow bodies cut.
+    With ``watch_hang_ups`` each request runs under ``rampart.hangup.serve_until_hang_up``: when its
+    client goes, it stops and its places are given back at once.
     """
 
     def __init__(self, limit: Callable[[], int], refuse: Callable[[dict, Callable, Callable], Awaitable[None]],
-                 paths: Collection[str], watch_hang_ups: bool = True) -> None:
+                 paths: Collection[str], watch_hang_ups: bool = True,
+                 too_slow: Callable[[dict, Callable, Callable], Awaitable[None]] | None = None,
+                 min_body_bytes_per_s: float = 0.0, body_grace_s: float = 0.0) -> None:
         self.limit = limit
         self.refuse = refuse
         self.paths = frozenset(paths)
         self.watch_hang_ups = watch_hang_ups
+        self.too_slow = too_slow
+        self.min_body_bytes_per_s = min_body_bytes_per_s if too_slow is not None else 0.0
+        self.body_grace_s = body_grace_s
         self.inflight = 0
+        self.receiving = 0
         self.refused = 0
+        self.cut = 0
         self._wrapped: dict[int, Callable] = {}
 
     def wrap(self, app: Callable) -> Callable:
@@ -136,27 +173,85 @@ class InflightBound:
                 # X-Priority: high gets twice the bound: its place comes from evicting a normal
                 # request at admission (rampart.overload.admission), which needs it to get that far.
                 limit = self.limit() * (2 if _is_high_priority(scope) else 1)
-                if self.inflight >= limit:
+                has_body = _has_body(scope)
+                if self.inflight >= limit or (has_body and self.receiving >= RECEIVING_PER_INFLIGHT_PLACE * limit):
                     self.refused += 1
                     return await self.refuse(scope, receive, send)
-                self.inflight += 1
+                started = asyncio.get_running_loop().time()
+                body = _Body(started + self.body_grace_s)
+                if has_body:
+                    self.receiving += 1
+                else:  # nothing to wait for: in flight from its head
+                    body.receiving, body.admitted = False, True
+                    self.inflight += 1
+
+                async def receive_body() -> dict:
+                    if not body.receiving:
+                        return await receive()
+                    try:
+                        if self.min_body_bytes_per_s > 0:
+                            async with asyncio.timeout_at(body.due):
+                                message = await receive()
+                        else:
+                            message = await receive()
+                    except TimeoutError:
+                        self._stop_receiving(body)
+                        self.cut += 1
+                        await self.too_slow(scope, receive, send)
+                        raise _BodyStop from None
+                    if message.get("type") != "http.request":
+                        return message  # a disconnect: the handler's own body read reports it
+                    body.received += len(message.get("body", b""))
+                    if self.min_body_bytes_per_s > 0:  # due when (t - grace) x rate passes what came
+                        body.due = started + self.body_grace_s + body.received / self.min_body_bytes_per_s
+                    if not message.get("more_body", False):
+                        self._stop_receiving(body)
+                        if self.inflight >= limit:
+                            self.refused += 1
+                            await self.refuse(scope, receive, send)
+                            raise _BodyStop
+                        self.inflight += 1
+                        body.admitted = True
+                    return message
+
                 try:
                     if self.watch_hang_ups:  # a client that goes takes its request with it (rampart.hangup)
-                        await serve_until_hang_up(app, scope, receive, send, _count_client_gone)
+                        await serve_until_hang_up(app, scope, receive_body, send, _count_client_gone)
                     else:
-                        await app(scope, receive, send)
+                        await app(scope, receive_body, send)
+                except _BodyStop:
+                    pass
                 finally:
-                    self.inflight -= 1
+                    self._stop_receiving(body)
+                    if body.admitted:
+                        self.inflight -= 1
 
             bounded._rampart_bound = self
             wrapped = self._wrapped[id(app)] = bounded
         return wrapped
+
+    def _stop_receiving(self, body: _Body) -> None:
+        if body.receiving:
+            body.receiving = False
+            self.receiving -= 1
 
 
 def _count_client_gone(stage: str) -> None:
     from rampart.telemetry import metrics  # here: the decode workers import this module's callers too
 
     metrics.CLIENT_GONE.labels(stage).inc()
+
+
+def _has_body(scope: dict) -> bool:
+    """Whether the request's head announces a body: a ``Content-Length`` other than 0, or any
+    ``Transfer-Encoding`` (chunked), read from the raw ASGI headers."""
+    for name, value in scope.get("headers") or ():
+        lowered = name.lower()
+        if lowered == b"content-length":
+            return value.strip() not in (b"0", b"")
+        if lowered == b"transfer-encoding":
+            return True
+    return False
 
 
 def _is_high_priority(scope: dict) -> bool:
@@ -171,10 +266,13 @@ _bound: InflightBound | None = None
 
 
 def bound_inflight(limit: Callable[[], int], refuse: Callable[[dict, Callable, Callable], Awaitable[None]],
-                   paths: Collection[str], watch_hang_ups: bool = True) -> InflightBound:
-    """Install (or replace) the in-flight bound that ``behind_bound`` puts in front of the app; returns it."""
+                   paths: Collection[str], watch_hang_ups: bool = True,
+                   too_slow: Callable[[dict, Callable, Callable], Awaitable[None]] | None = None,
+                   min_body_bytes_per_s: float = 0.0, body_grace_s: float = 0.0) -> InflightBound:
+    """Install (or replace) the in-flight bound that ``behind_bound`` puts in front of the app; returns it.
+    The arguments are ``InflightBound``'s."""
     global _bound
-    _bound = InflightBound(limit, refuse, paths, watch_hang_ups)
+    _bound = InflightBound(limit, refuse, paths, watch_hang_ups, too_slow, min_body_bytes_per_s, body_grace_s)
     return _bound
 
 

@@ -1,0 +1,127 @@
+"""``rampart.api.arrival.InflightBound``'s body phase: slow bodies hold no in-flight place and are cut.
+
+Driven at the ASGI level with the messages uvicorn sends (body chunks, ``more_body``), the bound's own
+wrapper in front of a small app that reads its body and then waits to be released.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from rampart.api.arrival import RECEIVING_PER_INFLIGHT_PLACE, InflightBound
+
+
+def answer(status: int):
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": status, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+    return app
+
+
+def scope(length: int | None) -> dict:
+    headers = [] if length is None else [(b"content-length", str(length).encode())]
+    return {"type": "http", "path": "/bounded", "headers": headers}
+
+
+class Client:
+    """One request: its body in ``chunks`` sent every ``every_s``; ``status`` is what it was answered."""
+
+    def __init__(self, chunks: list[bytes], every_s: float = 0.0) -> None:
+        self.chunks, self.every_s = list(chunks), every_s
+        self.status: int | None = None
+
+    async def receive(self) -> dict:
+        if not self.chunks:
+            await asyncio.sleep(3600)  # a body already complete: only a disconnect would come
+        await asyncio.sleep(self.every_s)
+        chunk = self.chunks.pop(0)
+        return {"type": "http.request", "body": chunk, "more_body": bool(self.chunks)}
+
+    async def send(self, message: dict) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+
+
+def bound_with(limit: int, rate: float = 0.0, grace_s: float = 0.0):
+    """An ``InflightBound`` of ``limit`` in front of an app that reads its body, notes it in ``bodies`` and answers
+    200 once ``release`` is set; returns (bound, release, bodies, the wrapped app)."""
+    release = asyncio.Event()
+    bodies: list[bytes] = []
+
+    async def app(scope, receive, send):
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body", False):
+                break
+        bodies.append(body)
+        await release.wait()
+        await answer(200)(scope, receive, send)
+
+    bound = InflightBound(lambda: limit, answer(429), ["/bounded"], watch_hang_ups=False, too_slow=answer(408),
+                          min_body_bytes_per_s=rate, body_grace_s=grace_s)
+    return bound, release, bodies, bound.wrap(app)
+
+
+def test_a_body_slower_than_the_minimum_rate_after_the_grace_is_cut_with_408():
+    async def scenario():
+        bound, release, bodies, app = bound_with(limit=4, rate=1000.0, grace_s=0.2)
+        slow = Client([b"x"] * 50, every_s=0.1)  # 10 bytes/s
+        fast = Client([b"y" * 5000, b"y" * 5000], every_s=0.05)  # 100 kB/s
+        tasks = [asyncio.ensure_future(app(scope(50), slow.receive, slow.send)),
+                 asyncio.ensure_future(app(scope(10000), fast.receive, fast.send))]
+        await asyncio.sleep(0.6)
+        release.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 2.0)
+        return bound, slow, fast, bodies
+
+    bound, slow, fast, bodies = asyncio.run(scenario())
+    assert slow.status == 408 and fast.status == 200 and bodies == [b"y" * 10000]
+    assert bound.cut == 1 and bound.receiving == 0 and bound.inflight == 0
+
+
+def test_bodies_on_their_way_hold_no_in_flight_place_and_one_completing_when_all_are_taken_gets_429():
+    async def scenario():
+        bound, release, bodies, app = bound_with(limit=1)  # no rate check
+        arriving = Client([b"a", b"b", b"c"], every_s=0.1)
+        first = asyncio.ensure_future(app(scope(3), arriving.receive, arriving.send))
+        await asyncio.sleep(0.05)
+        assert (bound.receiving, bound.inflight) == (1, 0)
+        whole = Client([b"z"])
+        second = asyncio.ensure_future(app(scope(1), whole.receive, whole.send))
+        await asyncio.sleep(0.05)
+        assert (bound.receiving, bound.inflight) == (1, 1)  # the whole body took the place, not the arriving one
+        await asyncio.sleep(0.4)  # the arriving body completes with the only place taken
+        refused_at_completion = arriving.status
+        release.set()
+        await asyncio.wait_for(asyncio.gather(first, second), 2.0)
+        return bound, refused_at_completion, whole, bodies
+
+    bound, refused_at_completion, whole, bodies = asyncio.run(scenario())
+    assert refused_at_completion == 429 and whole.status == 200 and bodies == [b"z"]
+    assert bound.refused == 1 and bound.inflight == 0 and bound.receiving == 0
+
+
+def test_receivers_are_bounded_apart_and_a_request_without_a_body_is_in_flight_from_its_head():
+    async def scenario():
+        bound, release, bodies, app = bound_with(limit=1)
+        trickling = [Client([b"t"] * 100, every_s=0.1) for _ in range(RECEIVING_PER_INFLIGHT_PLACE)]
+        tasks = [asyncio.ensure_future(app(scope(100), c.receive, c.send)) for c in trickling]
+        await asyncio.sleep(0.05)
+        one_more = Client([b"u"] * 100, every_s=0.1)
+        await app(scope(100), one_more.receive, one_more.send)  # refused at its head: receivers are full
+        bodiless = Client([b""])
+        get = asyncio.ensure_future(app(scope(None), bodiless.receive, bodiless.send))
+        await asyncio.sleep(0.05)
+        in_flight = bound.inflight
+        release.set()
+        await asyncio.wait_for(get, 1.0)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return bound, one_more, bodiless, in_flight
+
+    bound, one_more, bodiless, in_flight = asyncio.run(scenario())
+    assert one_more.status == 429 and bodiless.status == 200 and in_flight == 1
+    assert bound.receiving == 0 and bound.inflight == 0
