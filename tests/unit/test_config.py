@@ -10,7 +10,7 @@ from rampart.config import Settings
 
 def test_settings_from_env_validates_and_names_bad_values():
     settings = Settings.from_env({"RAMPART_MAX_PIXELS": "1000", "RAMPART_ALPHA_BACKGROUND": "0,0,0"})
-    assert settings.max_pixels == 1000 and settings.alpha_background == (0, 0, 0)
+    assert settings.inputs.max_pixels == 1000 and settings.inputs.alpha_background == (0, 0, 0)
     with pytest.raises(pydantic.ValidationError, match="max_pixels"):
         Settings.from_env({"RAMPART_MAX_PIXELS": "-1"})
     with pytest.raises(pydantic.ValidationError):
