@@ -444,14 +444,14 @@ class Settings(BaseModel):
             if key in FLAT_NAMES and FLAT_NAMES[key][1] is not None:
                 group, field_name = FLAT_NAMES[key]
                 groups.setdefault(group, {})[field_name] = data.pop(key)
-        for role in ROLE_DEFAULTS:
-            if role not in data or isinstance(data[role], dict):
-                groups[role] = {**ROLE_DEFAULTS[role], **groups.get(role, {})}
-        for group, values in groups.items():
+        for group in {*groups, *ROLE_DEFAULTS}:
             given = data.get(group)
             if isinstance(given, BaseModel):
+                if group not in groups:
+                    continue
                 given = given.model_dump(exclude_unset=group not in ROLE_DEFAULTS)
-            data[group] = {**(given or {}), **values}
+            # A model role's own defaults, then what was given nested, then the flat names.
+            data[group] = {**ROLE_DEFAULTS.get(group, {}), **(given or {}), **groups.get(group, {})}
         return data
 
     @model_validator(mode="after")
