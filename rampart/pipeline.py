@@ -39,11 +39,11 @@ as the first choice (``cascade_fallback_unavailable``: a full answer); if neithe
 answers, the cache and static answer follow as above. The fallback asked first may
 use the whole ``Share.ALL``, so a fallback that hangs leaves the primary no time.
 
-With ``routing="primary-only"`` (an experiment's setting: the ablation, docs/benchmarks.md,
-"Ablation") the fallback is never asked: the primary alone, with the whole deadline
-(``Share.ALL``, no fallback reserve), then the cache and the static answer; 429 when
-the primary shed the request. The settings ``admission`` (the gates' ``mode``; ``off``
-also unbounds the decode queue and the in-flight bound) and ``honour_deadlines``
+With ``routing.mode="primary-only"`` (an experiment's setting, only with ``RAMPART_EXPERIMENTS=true``: the
+ablation, docs/configuration.md, "Experiments") the fallback is never asked: the primary alone, with the whole
+deadline (``Share.ALL``, no fallback reserve), then the cache and the static answer; 429 when
+the primary shed the request. ``Settings.admission_mode`` (the gates' ``mode``; ``off``
+also unbounds the decode queue and the in-flight bound) and ``Settings.honour_deadlines``
 (``rampart.overload.deadline.Deadline.sliced``) are the ablation's other switches.
 
 Requests of the ``low`` priority class (``X-Priority: low``, bulk work: the module doc
