@@ -275,7 +275,7 @@ def folder_set(images_dir: Path, labels_csv: Path | None, labels: list[str]) -> 
 
 def load_models(settings: Settings) -> dict[str, LoadedModel]:
     """Both models by role ("primary", "fallback"), from the BentoML store as ``runners/primary.py``
-    and ``runners/fallback.py`` load them (tags ``settings.primary.model`` / ``fallback_model``).
+    and ``runners/fallback.py`` load them (tags ``settings.primary.model`` / ``settings.fallback.model``).
 
     Loaded once per process and pair of tags (the tests evaluate several sets).
     """
