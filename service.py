@@ -101,11 +101,11 @@ def model_endpoint(tag: str, runner, max_items: int = 1,
         return await asyncio.to_thread(getattr(runner, bucket_name), items)
 
     coalescer = Coalescer(send, lambda item: item.deadline_epoch_s, max_items=max(max_items, 1),
-                          in_flight=settings.runner_calls_in_flight, item_cost_s=item_cost_s)
+                          in_flight=settings.runners.calls_in_flight, item_cost_s=item_cost_s)
 
     async def call(bucket_name: str, pixels, deadline_epoch_s: float) -> RunnerResult:
         item = RunnerItem(pixels=pixels, deadline_epoch_s=deadline_epoch_s)
-        if settings.runner_coalescing:
+        if settings.runners.coalescing:
             result = await coalescer.call(bucket_name, item)
         else:
             (result,) = await send(bucket_name, [item])
@@ -117,7 +117,7 @@ def model_endpoint(tag: str, runner, max_items: int = 1,
         labels=list(meta["labels"]),
         buckets=buckets_for_resolution(int(meta["resolution"])),
         call=call,
-        call_stats=lambda: {"coalescing": settings.runner_coalescing, **dataclasses.asdict(coalescer.stats),
+        call_stats=lambda: {"coalescing": settings.runners.coalescing, **dataclasses.asdict(coalescer.stats),
                             "items_per_call": coalescer.stats.items_per_call},
     )
 
@@ -155,8 +155,8 @@ def accept_backlog() -> int:
     kernel refuses them instead of BentoML's default 2048 waiting.
     """
     places = sum((batches + 2) * size for batches, size in (
-        (settings.primary_concurrent_batches, settings.primary_max_batch_size),
-        (settings.fallback_concurrent_batches, settings.fallback_max_batch_size)))
+        (settings.primary.concurrent_batches, settings.primary.max_batch_size),
+        (settings.fallback.concurrent_batches, settings.fallback.max_batch_size)))
     return max(65, 2 * places)
 
 
@@ -169,12 +169,12 @@ def middleware_config() -> dict:
     leaves out the Open Inference Protocol's ``/v2/models/rampart/stats``).
     """
     config: dict = {"logging": {"access": {"enabled": False}}}
-    if not settings.trace_requests:
+    if not settings.telemetry.trace_requests:
         config["tracing"] = {"excluded_urls": [*ADMITTED_ROUTES, *MONITORING_ROUTES]}
     return config
 
 
-@bentoml.service(name=ENTRY_SERVICE_NAME, workers=settings.api_workers, traffic={"timeout": settings.max_deadline_ms / 1000 + 10},
+@bentoml.service(name=ENTRY_SERVICE_NAME, workers=settings.api_workers, traffic={"timeout": settings.deadlines.max_deadline_ms / 1000 + 10},
                  backlog=accept_backlog(), **middleware_config())
 @bentoml.asgi_app(http_app, path="/")
 class Rampart:
@@ -182,28 +182,29 @@ class Rampart:
 
     primary = bentoml.depends(Primary)
     fallback = bentoml.depends(Fallback)
-    if settings.shadow_model:  # a third runner only when shadow traffic is on (rampart.shadow)
+    if settings.shadow.model:  # a third runner only when shadow traffic is on (rampart.shadow)
         shadow_runner = bentoml.depends(Shadow)
 
     def __init__(self) -> None:
         place_this_process("api", settings)  # before the decode pool, whose workers inherit the cores
         self.pipeline = Pipeline(
             settings,
-            model_endpoint(settings.primary_model, self.primary, settings.primary_max_batch_size,
+            model_endpoint(settings.primary.model, self.primary, settings.primary.max_batch_size,
                            lambda: self.seconds_per_image("primary")),
-            model_endpoint(settings.fallback_model, self.fallback, settings.fallback_max_batch_size,
+            model_endpoint(settings.fallback.model, self.fallback, settings.fallback.max_batch_size,
                            lambda: self.seconds_per_image("fallback")),
             decode_pool(settings),
         )
         self.loop_lag = LoopLagMonitor()
         bound_inflight(self.pipeline.inflight_limit, refuse_before_admission(http_app), ADMITTED_ROUTES,
-                       watch_hang_ups=settings.cancel_on_hang_up, too_slow=answer_body_too_slow(http_app),
-                       min_body_bytes_per_s=settings.min_body_bytes_per_s, body_grace_s=settings.body_grace_ms / 1000)
+                       watch_hang_ups=settings.connections.cancel_on_hang_up, too_slow=answer_body_too_slow(http_app),
+                       min_body_bytes_per_s=settings.connections.min_body_bytes_per_s,
+                       body_grace_s=settings.connections.body_grace_ms / 1000)
         metrics.init_api_series()
         self.lifecycle = Lifecycle()
-        self.shadow = None if not settings.shadow_model else ShadowMirror(
-            model_endpoint(settings.shadow_model, self.shadow_runner), settings.shadow_rate,
-            settings.shadow_deadline_ms, settings.shadow_max_inflight,
+        self.shadow = None if not settings.shadow.model else ShadowMirror(
+            model_endpoint(settings.shadow.model, self.shadow_runner), settings.shadow.rate,
+            settings.shadow.deadline_ms, settings.shadow.max_inflight,
             models_busy(self.pipeline.primary, self.pipeline.fallback),
             getattr(self.shadow_runner, "is_ready", None))
         attach(http_app, pipeline=self.pipeline, lifecycle=self.lifecycle, loop_lag_ms=self.loop_lag_ms,
@@ -288,15 +289,15 @@ class Rampart:
         mark_worker_ready(False)
         started = time.monotonic()
         lifecycle_log.info("signal %d: draining %d request(s) in flight, refusing new ones (at most %d ms)",
-                    signum, self.lifecycle.in_flight, settings.max_deadline_ms)
-        if await self.lifecycle.drained(settings.max_deadline_ms / 1000):
+                    signum, self.lifecycle.in_flight, settings.deadlines.max_deadline_ms)
+        if await self.lifecycle.drained(settings.deadlines.max_deadline_ms / 1000):
             lifecycle_log.info("drained in %.1f s; stopping", time.monotonic() - started)
         else:
             lifecycle_log.warning("%d request(s) still in flight after %d ms; stopping anyway",
-                           self.lifecycle.in_flight, settings.max_deadline_ms)
+                           self.lifecycle.in_flight, settings.deadlines.max_deadline_ms)
 
 
 # A storm of /metrics scrapes costs one merge of the metric files per interval (rampart.telemetry.scrapes); inside
 # BentoML's own middlewares, so every scrape is still counted and traced as before.
-Rampart.add_asgi_middleware(CoalescedMetrics, interval_s=settings.metrics_render_interval_ms / 1000)
+Rampart.add_asgi_middleware(CoalescedMetrics, interval_s=settings.telemetry.metrics_render_interval_ms / 1000)
 Rampart.add_asgi_middleware(JSONRouteErrors, answered=route_error_answered)  # JSON 404/405: see rampart.api.routing

@@ -18,7 +18,9 @@ request with ``X-Deadline-Ms: 1000``:
 - (e) ``cascade``: (d) with ``RAMPART_ROUTING=cascade``.
 
 The switches (``RAMPART_ROUTING=primary-only``, ``RAMPART_ADMISSION``,
-``RAMPART_HONOUR_DEADLINES``) are for experiments, not for production (docs/configuration.md).
+``RAMPART_HONOUR_DEADLINES``) are for experiments, not for production, and take effect only with
+``RAMPART_EXPERIMENTS=true`` (without it the server refuses to start; docs/configuration.md, "Experiments"),
+which arms a-c set.
 
 *Capacity* is the knee of a closed-loop ramp (``bench.ramp.ramp``: the highest
 throughput with P99 ≤ 1 s and ≤ 1% refused) of a default Rampart, measured first in the
@@ -73,7 +75,7 @@ class Arm:
     env: dict[str, str] = field(default_factory=dict)
 
 
-_PRIMARY_ONLY = {"RAMPART_ROUTING": "primary-only"}
+_PRIMARY_ONLY = {"RAMPART_EXPERIMENTS": "true", "RAMPART_ROUTING": "primary-only"}
 ARMS = {arm.key: arm for arm in (
     Arm("a", "no_admission", "no admission control: unbounded queues, deadline ignored",
         {**_PRIMARY_ONLY, "RAMPART_ADMISSION": "off", "RAMPART_HONOUR_DEADLINES": "false"}),

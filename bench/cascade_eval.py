@@ -275,11 +275,11 @@ def folder_set(images_dir: Path, labels_csv: Path | None, labels: list[str]) -> 
 
 def load_models(settings: Settings) -> dict[str, LoadedModel]:
     """Both models by role ("primary", "fallback"), from the BentoML store as ``runners/primary.py``
-    and ``runners/fallback.py`` load them (tags ``settings.primary_model`` / ``fallback_model``).
+    and ``runners/fallback.py`` load them (tags ``settings.primary.model`` / ``settings.fallback.model``).
 
     Loaded once per process and pair of tags (the tests evaluate several sets).
     """
-    return _load_models(settings.primary_model, settings.fallback_model, settings.gpu_memory_fraction)
+    return _load_models(settings.primary.model, settings.fallback.model, settings.gpu_memory_fraction)
 
 
 @functools.lru_cache(maxsize=2)
@@ -429,7 +429,7 @@ def evaluate(images: list[EvalImage], models: dict[str, LoadedModel], settings: 
         "device": {"primary": str(getattr(models["primary"].engine, "device", "cpu")),
                    "fallback": ",".join(getattr(models["fallback"].engine, "providers", ["?"]))},
         "preprocessing": "rampart.inputs.decode_job.prepare with the service's DecodePlan (decode_limits, buckets, crop_margin "
-                         f"{settings.crop_margin})",
+                         f"{settings.inputs.crop_margin})",
         "images": len(kept),
         "refused": refused,
         "target_agreement": target,

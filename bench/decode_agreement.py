@@ -125,7 +125,7 @@ def _probabilities(images: list[EvalImage], models: dict, settings: Settings) ->
     rows = [*models, *(f"{role}_resized_from_{plan.base_role}" for role in models if role != plan.base_role)]
     out = {way: {row: [] for row in rows} for way in ("previous", "current")}
     for image in images:
-        old = previous_input(image.data, plan.buckets, settings.crop_margin, settings.alpha_background)
+        old = previous_input(image.data, plan.buckets, settings.inputs.crop_margin, settings.inputs.alpha_background)
         base = prepare(image.data, plan)
         for role, model in models.items():
             own = prepare(image.data, plan, role).inputs[role][1]
@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
                     + ("" if args.oversample is None else f" --oversample {args.oversample:g}")
                     + ("" if args.only is None else f" --only {args.only}"),
                     "date": time.strftime("%Y-%m-%d"), "platform": platform.platform(),
-                    "decode_oversample": settings.decode_oversample, "target": TARGET_AGREEMENT, "sets": {}}
+                    "decode_oversample": settings.decoding.oversample, "target": TARGET_AGREEMENT, "sets": {}}
     for name, images in sets.items():
         probs = _probabilities(images, models, settings)
         per_model = {}

@@ -1,17 +1,46 @@
 """Rampart's settings, read once from ``RAMPART_*`` environment variables.
 
-Every limit and knob has one home here. ``Settings.from_env()`` reads each field
-from ``RAMPART_<FIELD NAME IN UPPER CASE>`` (for example ``RAMPART_MAX_BODY_BYTES``),
-validates it with pydantic and raises ``pydantic.ValidationError`` naming the bad
-value. BentoML starts the runners as child processes of ``bentoml serve``, so they
-inherit the same environment and see the same settings.
+Every limit and knob has one home here. ``Settings.from_env()`` reads each setting from
+``RAMPART_<FLAT NAME IN UPPER CASE>`` (for example ``RAMPART_MAX_BODY_BYTES``), validates it
+with pydantic and raises ``pydantic.ValidationError`` naming the bad value. BentoML starts the
+runners as child processes of ``bentoml serve``, so they inherit the same environment and see
+the same settings.
+
+Layout. The settings are grouped by concern into nested models: ``settings.primary`` and
+``settings.fallback`` (one ``ModelRoleSettings`` class for both model roles, the primary's
+subclass adding its engine), ``inputs``, ``connections``, ``decoding``, ``deadlines``, ``runners``,
+``admission``, ``routing``, ``breaker``, ``shadow``, ``faults``, ``telemetry`` and
+``experiments``; four host-wide settings stay flat on ``Settings`` (``api_workers``,
+``cpu_pinning``, ``gpu_memory_fraction``, ``cache_size``).
+
+Names. Each group has an environment prefix (``GROUPS``): a field ``f`` of a group with prefix
+``p`` has the flat name ``p + f`` (``primary.max_batch_size`` is ``primary_max_batch_size``,
+``RAMPART_PRIMARY_MAX_BATCH_SIZE``); the few fields whose flat name does not follow the rule
+carry it in ``Field(json_schema_extra={"flat": ...})``. ``FLAT_NAMES`` (flat name -> nested
+path), derived from the groups once at import, is the only mapping: ``from_env`` reads the
+environment through it, ``Settings(flat_name=value)`` folds keyword arguments into their groups
+with it (tests and benchmarks construct settings that way; nested groups work too), and
+``settings_table`` documents it (docs/configuration.md embeds its output; a unit test keeps
+the two equal; ``python -m rampart.config --table`` prints it). Unknown ``RAMPART_*`` variables
+are ignored by ``from_env``; unknown keyword arguments are refused.
+
+Experiments. The ablation's switches (docs/benchmarks.md, "Ablation") are
+``experiments.admission`` (``RAMPART_ADMISSION``: ``queue-bound``, ``off``),
+``experiments.honour_deadlines`` (``RAMPART_HONOUR_DEADLINES=false``) and the routing
+``primary-only`` (``RAMPART_ROUTING``, whose other values are production's). Each works only
+with ``RAMPART_EXPERIMENTS=true``; without it a value other than production's refuses to
+start, naming the flag, so no server runs an ablation arm by mistake. Production code reads
+the switches through ``Settings.admission_mode``, ``Settings.honour_deadlines`` and
+``Settings.routing.mode``, which therefore hold production's values unless the flag is on;
+nothing outside this module reads the flag.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import Literal
+import sys
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -41,242 +70,415 @@ def default_cpu_threads(role: str, cores: int, gpu: bool) -> int:
     return 1
 
 
+class _Group(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelRoleSettings(_Group):
+    """One model role's settings (``settings.primary``, ``settings.fallback``); defaults differ per role (``ROLE_DEFAULTS``).
+
+    Admission (rampart.overload.admission): concurrent batches per device = runner threads; images
+    dispatched at once = (concurrent_batches + 1) x max_batch_size; the wait queue holds throughput x
+    queue_delay_ms images. Throughput is measured (warm-up, then every batch) unless throughput_ips > 0
+    fixes it. BentoML's dispatcher cancels (503) a request it predicts will exceed max_latency_ms;
+    Rampart's own deadlines do the shedding, so the default is the longest deadline and the dispatcher
+    never sheds first.
+    """
+
+    model: str = Field(description="the model's tag in the BentoML model store (written by `python -m models.import_models`)")
+    max_batch_size: int = Field(ge=2, description="BentoML adaptive batching: the largest batch")
+    max_latency_ms: int = Field(60_000, gt=0, description="BentoML adaptive batching: the latency the dispatcher "
+                                "never predicts past (it would cancel with 503; the longest deadline, so it never does)")
+    concurrent_batches: int = Field(1, ge=1, description="batches computed at once (runner threads): the per-GPU bound")
+    queue_delay_ms: int = Field(200, gt=0, description="acceptable queueing delay: queue depth = throughput × this")
+    throughput_ips: float = Field(0.0, ge=0.0, description="fixes the model's throughput (images/s) instead of "
+                                  "measuring it; 0: measured")
+    # On a CPU-only host inference then yields the CPU to the API layer, which must keep answering (and shedding)
+    # under overload, and the fallback yields to the primary, whose full answers are worth more.
+    nice: int = Field(ge=0, le=19, description="niceness of the runner process (CPU hosts: the API layer first, "
+                      "then the primary)")
+    # OpenMP's wait policy (OMP_WAIT_POLICY, PASSIVE unless set) is set in service.py.
+    cpu_threads: int = Field(0, ge=0, description="intra-op CPU threads of the engine (torch for the primary, ONNX "
+                             "Runtime for the fallback); 0: a rule from the cores and GPU "
+                             "([CPU defaults](benchmarks.md#cpu-defaults))")
+
+
+class PrimarySettings(ModelRoleSettings):
+    """The primary's settings: a model role's, and the engine it runs on."""
+
+    # "auto" runs a PyTorch primary on the faster of PyTorch and its checked ONNX export, measured per image at
+    # each one's compute batch size when the runner starts on a CPU-only host, and on PyTorch on a GPU host. A
+    # stored primary without an export runs on PyTorch. Default "torch" for now: with the faster ONNX primary
+    # (33 images/s here) the 2-core host's other core saturates at 5x overload and the primary answered only
+    # 0.40-0.48 of its capacity in time, against 0.70-0.81 on PyTorch (docs/engines.md). deploy/k8s sets "auto".
+    engine: Literal["auto", "torch", "onnx"] = Field("torch", description="`auto`: on a CPU-only host the primary "
+                                                     "runs on whichever of PyTorch and its verified ONNX export is "
+                                                     "faster per image, timed at start; PyTorch on a GPU host; "
+                                                     "`torch` or `onnx` forces one ([engines.md](engines.md))")
+
+
+#: Per-role defaults of the fields ``ModelRoleSettings`` leaves without one.
+ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "primary": {"model": "rampart-primary:latest", "max_batch_size": 16, "nice": 5},
+    "fallback": {"model": "rampart-fallback:latest", "max_batch_size": 32, "nice": 10},
+}
+
+
+class InputSettings(_Group):
+    """Upload and decode limits (checked from the header, before any pixel is decoded) and the image preparation."""
+
+    max_body_bytes: int = Field(20_000_000, gt=0, description="byte cap per image")
+    max_pixels: int = Field(50_000_000, gt=0, description="pixel cap, from the header, for every format")
+    min_side_px: int = Field(16, ge=1, description="shape limit: the shortest side")
+    max_aspect_ratio: float = Field(10.0, ge=1.0, description="shape limit: long side over short side")
+    max_frames: int = Field(100, ge=1, description="shape limit: frames of an animation")
+    max_jpeg_scans: int = Field(DEFAULT_MAX_JPEG_SCANS, ge=1, description="decode cost beyond width × height, counted "
+                                "before decoding (`rampart/inputs/decode_cost.py`): scans of a progressive JPEG "
+                                "(libjpeg writes 6-10; each costs about 4 ms per 50 MP here)")
+    max_chunks: int = Field(DEFAULT_MAX_CHUNKS, ge=1, description="chunks a parser steps through one by one (a 20 MB "
+                            "GIF of full sub-blocks has about 80,000)")
+    alpha_background: tuple[int, int, int] = Field((255, 255, 255), description="colour (RGB, 0..255, written "
+                                                   "`255,255,255`) that transparent pixels are composited over")
+    crop_margin: float = Field(1.14, ge=1.0, le=2.0, description="resize so the crop covers the bucket × this, then "
+                               "centre-crop (1.14 ≈ 1/0.875, the EfficientNet reference crop)")
+    max_batch_images: int = Field(16, ge=1, description="images per `/classify_batch`")
+
+
+class ConnectionSettings(_Group):
+    """Client connections (rampart.compat.uvicorn_httptools.HeadLimitedProtocol) and clients that hang up (rampart.hangup)."""
+
+    # A connection whose request head (request line and headers) is not complete this long after its first byte,
+    # or after the connection was opened, is closed. Behind a proxy, keep_alive_timeout_s must exceed the proxy's
+    # idle timeout to Rampart (docs/deploy.md, "Connection timeouts").
+    request_head_timeout_ms: int = Field(10_000, gt=0, description="a connection whose request line and headers "
+                                         "are not complete this long after their first byte (or after the "
+                                         "connection was opened) is closed without an answer, on every request of "
+                                         "a keep-alive connection ([Connection timeouts]"
+                                         "(deploy.md#connection-timeouts))")
+    keep_alive_timeout_s: float = Field(5.0, gt=0, description="an idle keep-alive connection is closed this long "
+                                        "after its last response (replaces uvicorn's `timeout_keep_alive`); behind a "
+                                        "proxy, longer than the proxy's idle timeout to Rampart ([Connection "
+                                        "timeouts](deploy.md#connection-timeouts))")
+    # Its A/B arm is false.
+    cancel_on_hang_up: bool = Field(True, description="a request whose client closes the connection after its body "
+                                    "is stopped where it waits and its places released "
+                                    "([overload.md](overload.md#clients-that-hang-up)); false: it runs to the end")
+    # Behind nginx (which buffers a body before it sends it on) bodies arrive at loopback speed.
+    min_body_bytes_per_s: int = Field(16384, ge=0, description="a request holds an in-flight place only once its "
+                                      "body is in; after `BODY_GRACE_MS` its body must arrive at this rate (at t "
+                                      "after the head, (t − grace) × rate bytes), else it is cut with 408 "
+                                      "`request_timeout` and the connection closed ([overload.md]"
+                                      "(overload.md#slow-request-bodies)); 0: no rate check")
+    body_grace_ms: int = Field(2000, ge=0, description="how long a body may take before the rate "
+                               "`MIN_BODY_BYTES_PER_S` applies")
+
+
+class DecodeSettings(_Group):
+    """The decode pool (workers on the host, shared between the API workers) and the decoder's scale."""
+
+    # Waiting uploads hold only their compressed bytes (already read); decoded pixels exist only in workers.
+    mode: Literal["processes", "threads"] = Field("processes", description="`processes`: decode workers are "
+                                                  "processes, killed and replaced when a decode overruns; `threads`: "
+                                                  "threads of the API process, which keep their slot until an "
+                                                  "overrunning decode ends (for comparison: `bench/decode_bench`)")
+    workers: int = Field(2, ge=1, description="decode workers on the host (each API worker starts `DECODE_WORKERS // "
+                         "API_WORKERS` of them, at least 1)")
+    queue: int = Field(512, ge=0, description="uploads allowed to wait for a decode worker")
+    # The event loop thread, which answers and sheds, stays ahead of them for the CPU.
+    nice: int = Field(5, ge=0, le=19, description="niceness of the decode workers")
+    timeout_ms: int = Field(3000, gt=0, description="longest one decode may run (422 `decode_timeout`; the worker is "
+                            "killed and replaced)")
+    # 1.0: measured top-1 agreement in docs/decoding.md.
+    oversample: float = Field(1.0, ge=1.0, le=8.0, description="source pixels per output pixel (each axis) the "
+                              "decoder keeps: a JPEG is decoded at 1/2, 1/4 or 1/8 scale and any frame box-reduced "
+                              "only as far as the model's bucket still gets this many ([decoding.md](decoding.md))")
+
+
+class DeadlineSettings(_Group):
+    """Deadlines (``X-Deadline-Ms``), end to end."""
+
+    default_deadline_ms: int = Field(1000, gt=0, description="deadline when none is sent")
+    max_deadline_ms: int = Field(60_000, gt=0, description="the cap on any deadline")
+    low_priority_deadline_ms: int = Field(10_000, gt=0, description="default deadline of `X-Priority: low` requests, "
+                                          "bulk work that fills idle capacity ([planning.md](planning.md)); at most "
+                                          "`MAX_DEADLINE_MS`")
+    fallback_reserve_ms: int = Field(250, ge=0, description="part of each deadline kept for the fallback")
+    answer_margin_ms: int = Field(20, ge=0, description="the pipeline stops this long (plus the event loop's recent "
+                                  "lag) before the deadline")
+    # The least time an idle server needs, after the answer margin, to decode one photo and have the fallback
+    # classify it: measured 25 ms on the 2-core CI host (decode 5 ms, fallback call 20 ms: 5 transport,
+    # 15 inference), 2026-12-01. The loop-lag reserve never cuts an accepted deadline's share below it.
+    min_service_ms: int = Field(30, ge=1, description="the least working time every accepted deadline keeps; below "
+                                "`ANSWER_MARGIN_MS` + this (50 ms) a deadline is 422 `deadline_too_short` "
+                                "([clients.md](clients.md))")
+
+
+class RunnerSettings(_Group):
+    """Calls to the runners and the runners' own dispatch (docs/serving-cost.md)."""
+
+    # Images bound for one bucket of one runner that wait in an API worker go in one call when a call for that
+    # bucket returns (rampart.coalesce). One call out per bucket: at 5x overload on the 2-core host the primary's
+    # core then sat idle 5-7 s of 20 waiting for round trips (2.2 s with two calls out), but with two, two
+    # replicas sharing the host served less than with one and in-flight requests of a draining replica got the
+    # static answer (docs/overload.md, "Predicting completion").
+    coalescing: bool = Field(True, description="images bound for one bucket of one runner share a call, what arrives "
+                             "meanwhile goes in the next ([serving-cost.md](serving-cost.md)); false: one call per image")
+    calls_in_flight: int = Field(1, ge=1, description="with coalescing, calls out per bucket at most")
+    dispatch_wake: Literal["release", "poll"] = Field("release", description="how a runner's batch dispatcher waits "
+                                                      "for its batch slot while a batch computes: `release` waits for "
+                                                      "the slot to be released; `poll` is BentoML's own 1 ms poll, "
+                                                      "kept for the A/B ([serving-cost.md](serving-cost.md#the-batch-"
+                                                      "dispatchers-1-ms-poll))")
+    access_log: bool = Field(False, description="BentoML's access line for every runner call (off: one log line per "
+                             "request; see [Observability](observability.md), Logs)")
+
+
+class AdmissionSettings(_Group):
+    """How the admission gates predict completion (rampart.overload.admission)."""
+
+    # "meter", images ahead x the busy-time meter's time per image; "service", the runner's own compute per image
+    # plus a measured travel time (ServiceTime). "meter" by default (docs/overload.md, "Predicting completion").
+    prediction: Literal["meter", "service"] = Field("meter", description="how a gate predicts completion: `meter`, "
+                                                    "images ahead × the measured time per image; `service`, a call's "
+                                                    "measured travel time + images ahead × the runner's own compute "
+                                                    "per image ([overload.md](overload.md), \"Predicting completion\")")
+    throughput_tau_ms: int = Field(5_000, gt=0, json_schema_extra={"flat": "throughput_tau_ms"},
+                                   description="time constant of the measured throughput, in busy time (idle time "
+                                   "does not count)")
+
+
+class RoutingSettings(_Group):
+    """Which model answers first (rampart.pipeline, docs/overload.md, "Cascade")."""
+
+    # Both cascade defaults are the calibration's recommendation (python -m bench.cascade_eval,
+    # docs/bench/cascade_eval.json "recommendation", run of 2026-11-30): msp at 0.42 is the lowest threshold with
+    # >= 99% top-1 agreement with the primary alone on the 322 bundled photos, leaving 23.0% of them to the
+    # fallback (margin: 17.7% at 0.32).
+    mode: Literal["primary-first", "cascade", "primary-only"] = Field(
+        "primary-first", json_schema_extra={"flat": "routing"},
+        description="`primary-first`: the primary answers, the fallback only when the primary cannot; `cascade`: the "
+        "fallback answers first and the primary only when the fallback is unsure (see [Cascade](overload.md#cascade)); "
+        "`primary-only`: an experiment (see Experiments below)")
+    confidence: Literal[CONFIDENCE_KINDS] = Field(  # type: ignore[valid-type]  # "msp" or "margin"
+        "msp", description="in cascade mode, the fallback's confidence (`msp`: top-1 probability, `margin`: top-1 "
+        "minus top-2)")
+    threshold: float = Field(0.42, ge=0.0, le=1.0, description="in cascade mode, the least confidence at which the "
+                             "fallback's answer is kept (the calibration's recommendation, "
+                             "`docs/bench/cascade_eval.json`)")
+
+
+class BreakerSettings(_Group):
+    """The circuit breaker on the primary (rampart.overload.breaker)."""
+
+    window_ms: int = Field(10_000, gt=0, description="the window the failure rate is counted over")
+    min_calls: int = Field(10, ge=1, description="calls in the window before the breaker may open")
+    failure_rate: float = Field(0.5, gt=0.0, le=1.0, description="share of failed calls in the window that opens it")
+    open_ms: int = Field(5_000, gt=0, description="how long it stays open")
+    probes: int = Field(3, ge=1, description="half-open probes (successes in a row) that close it")
+
+
+class ShadowSettings(_Group):
+    """Shadow traffic (rampart.shadow, docs/overload.md, "Shadow traffic").
+
+    A candidate model gets a share of the /classify requests a model answered, after the answer is
+    sent, only while the models are not busy (rampart.shadow.models_busy) and no request was shed
+    for a second.
+    """
+
+    model: str = Field("", description="a candidate model's store tag; empty: off (no third runner)")
+    rate: float = Field(0.1, ge=0.0, le=1.0, description="share of model-answered `/classify` requests mirrored to "
+                        "the candidate after the answer is sent (see [Shadow traffic](overload.md#shadow-traffic))")
+    deadline_ms: int = Field(1000, gt=0, description="the candidate's own deadline per mirrored request")
+    max_inflight: int = Field(2, ge=1, description="the candidate's calls outstanding at most (more are skipped)")
+    nice: int = Field(15, ge=0, le=19, description="niceness of the candidate's runner")
+
+
+class FaultSettings(_Group):
+    """Fault injection for drills and tests (rampart.faults): off by default."""
+
+    primary_delay_ms: int = Field(0, ge=0, description="every primary batch takes this much longer")
+    primary_error_rate: float = Field(0.0, ge=0.0, le=1.0, description="share of primary calls that fail")
+    primary_hang: bool = Field(False, description="every primary call hangs until the fault ends")
+    fallback_error_rate: float = Field(0.0, ge=0.0, le=1.0, description="share of fallback calls that fail")
+    shadow_delay_ms: int = Field(0, ge=0, description="every candidate (shadow) batch takes this much longer")
+    shadow_error_rate: float = Field(0.0, ge=0.0, le=1.0, description="share of candidate (shadow) calls that fail")
+    decode_hang: bool = Field(False, description="every decode hangs before it starts, until the fault ends: drills "
+                              "`decode_timeout` (the worker is killed and replaced)")
+    file: str = Field("", description="a JSON file of `fault_*` keys, re-read while serving, that overrides the "
+                      "settings above (a drill can start and stop a fault, including a hang, without a restart)")
+
+
+class TelemetrySettings(_Group):
+    """Tracing and monitoring that stays cheap under a storm of scrapes (rampart.telemetry, docs/observability.md)."""
+
+    # Off: BentoML's tracing middleware costs about 0.3 ms of event-loop CPU per request even with no exporter
+    # (bench/middleware_bench.py).
+    trace_requests: bool = Field(False, description="OpenTelemetry spans for `/classify`, `/classify_batch` and the "
+                                 "monitoring routes `/stats` and `/metrics` (off: see [Overload control]"
+                                 "(overload.md#overload-control), BentoML's middlewares)")
+    stats_runner_refresh_ms: int = Field(500, ge=0, description="`/stats` shows each runner's counters from a copy in "
+                                         "the API worker, asked again when it is older than this, one call in flight "
+                                         "per runner (`runner_age_ms` in the body says how old); 0: asked on every "
+                                         "`/stats` ([Observability](observability.md), \"Cheap monitoring\")")
+    metrics_render_interval_ms: int = Field(500, ge=0, description="`/metrics` is rendered (every process's metric "
+                                            "files merged) at most once per this interval, each scrape answered by "
+                                            "the next rendering begun after it arrived, shared with every scrape "
+                                            "waiting for it; 0: each scrape renders its own")
+
+
+class ExperimentSettings(_Group):
+    """Switches for experiments, not for production (the ablation, bench.ablation, docs/benchmarks.md, "Ablation").
+
+    Read them through ``Settings.admission_mode`` and ``Settings.honour_deadlines``; a value other than
+    production's needs ``enabled`` (``RAMPART_EXPERIMENTS=true``), else ``Settings`` refuses to start.
+    """
+
+    enabled: bool = Field(False, json_schema_extra={"flat": "experiments"},
+                          description="lets the switches below (and `ROUTING=primary-only`) take values other than "
+                          "production's; without it such a value refuses to start")
+    # rampart.overload.admission.ADMISSION_MODES: "full" sheds on the queue bound and on predicted lateness.
+    admission: Literal[ADMISSION_MODES] = Field(  # type: ignore[valid-type]  # "full", "queue-bound" or "off"
+        "full", json_schema_extra={"flat": "admission"},
+        description="`full` (production) sheds on the queue bound and on predicted lateness; `queue-bound` sheds "
+        "only when a gate's queue is full; `off` sheds nothing (unbounded model and decode queues, no in-flight bound)")
+    honour_deadlines: bool = Field(True, json_schema_extra={"flat": "honour_deadlines"},
+                                   description="false ignores the client's deadline: every request gets "
+                                   "`MAX_DEADLINE_MS`, so nothing stops early and runners drop nothing")
+
+
+#: The groups of ``Settings``: attribute -> (model class, prefix of its fields' flat names).
+GROUPS: dict[str, tuple[type[_Group], str]] = {
+    "primary": (PrimarySettings, "primary_"),
+    "fallback": (ModelRoleSettings, "fallback_"),
+    "inputs": (InputSettings, ""),
+    "connections": (ConnectionSettings, ""),
+    "decoding": (DecodeSettings, "decode_"),
+    "deadlines": (DeadlineSettings, ""),
+    "runners": (RunnerSettings, "runner_"),
+    "admission": (AdmissionSettings, "admission_"),
+    "routing": (RoutingSettings, "cascade_"),
+    "breaker": (BreakerSettings, "breaker_"),
+    "shadow": (ShadowSettings, "shadow_"),
+    "faults": (FaultSettings, "fault_"),
+    "telemetry": (TelemetrySettings, ""),
+    "experiments": (ExperimentSettings, ""),
+}
+
+#: The host-wide settings left flat on ``Settings`` (flat name = attribute).
+TOP_LEVEL = ("api_workers", "cpu_pinning", "gpu_memory_fraction", "cache_size")
+
+
+def _flat_names() -> dict[str, tuple[str, str | None]]:
+    """Flat name -> (group, field) for grouped settings, (name, None) for the top-level ones."""
+    names: dict[str, tuple[str, str | None]] = {}
+    for group, (model, prefix) in GROUPS.items():
+        for field_name, field in model.model_fields.items():
+            extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+            flat = str(extra.get("flat", prefix + field_name))
+            if flat in names:
+                raise AssertionError(f"two settings have the flat name {flat}")
+            names[flat] = (group, field_name)
+    for name in TOP_LEVEL:
+        names[name] = (name, None)
+    return names
+
+
+#: Every setting's flat name (``RAMPART_`` + its upper case is its variable) -> (group, field), or (name, None) for
+#: a top-level one. The one mapping between the environment's names and the nested settings.
+FLAT_NAMES: dict[str, tuple[str, str | None]] = _flat_names()
+
+#: The production value of each experiment switch, by flat name (``RAMPART_ROUTING``: any but ``primary-only``).
+_PRODUCTION = {"admission": ("full",), "honour_deadlines": (True,), "routing": ("primary-first", "cascade")}
+
+
 class Settings(BaseModel):
-    """All of Rampart's configuration. Units are in each field's name."""
+    """All of Rampart's configuration, grouped (see the module docstring). Units are in each field's name.
+
+    ``Settings(primary_max_batch_size=8)`` (flat names) and ``Settings(primary={"max_batch_size": 8})``
+    are the same; each raises ``pydantic.ValidationError`` for a bad or unknown value.
+    """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    # Models in the BentoML model store (written by `python -m models.import_models`).
-    primary_model: str = "rampart-primary:latest"
-    fallback_model: str = "rampart-fallback:latest"
+    primary: PrimarySettings = Field(default_factory=lambda: PrimarySettings(**ROLE_DEFAULTS["primary"]))
+    fallback: ModelRoleSettings = Field(default_factory=lambda: ModelRoleSettings(**ROLE_DEFAULTS["fallback"]))
+    inputs: InputSettings = Field(default_factory=InputSettings)
+    connections: ConnectionSettings = Field(default_factory=ConnectionSettings)
+    decoding: DecodeSettings = Field(default_factory=DecodeSettings)
+    deadlines: DeadlineSettings = Field(default_factory=DeadlineSettings)
+    runners: RunnerSettings = Field(default_factory=RunnerSettings)
+    admission: AdmissionSettings = Field(default_factory=AdmissionSettings)
+    routing: RoutingSettings = Field(default_factory=RoutingSettings)
+    breaker: BreakerSettings = Field(default_factory=BreakerSettings)
+    shadow: ShadowSettings = Field(default_factory=ShadowSettings)
+    faults: FaultSettings = Field(default_factory=FaultSettings)
+    telemetry: TelemetrySettings = Field(default_factory=TelemetrySettings)
+    experiments: ExperimentSettings = Field(default_factory=ExperimentSettings)
 
-    # Upload and decode limits (checked from the header, before any pixel is decoded).
-    max_body_bytes: int = Field(20_000_000, gt=0)
-    # Connections (rampart.compat.uvicorn_httptools.HeadLimitedProtocol): a connection whose request head
-    # (request line and headers) is not complete this long after its first byte, or after the connection
-    # was opened, is closed; so is a keep-alive connection idle this long between requests (uvicorn's
-    # timeout_keep_alive, which it replaces). Behind a proxy, keep_alive_timeout_s must exceed the proxy's
-    # idle timeout to Rampart (docs/deploy.md, "Connection timeouts").
-    request_head_timeout_ms: int = Field(10_000, gt=0)
-    keep_alive_timeout_s: float = Field(5.0, gt=0)
-    max_pixels: int = Field(50_000_000, gt=0)
-    min_side_px: int = Field(16, ge=1)
-    max_aspect_ratio: float = Field(10.0, ge=1.0)
-    max_frames: int = Field(100, ge=1)
-    # Decode cost beyond width x height, counted in the container before decoding (rampart.inputs.decode_cost):
-    # scans of a progressive JPEG (libjpeg writes 6-10) and chunks a parser steps through.
-    max_jpeg_scans: int = Field(DEFAULT_MAX_JPEG_SCANS, ge=1)
-    max_chunks: int = Field(DEFAULT_MAX_CHUNKS, ge=1)
-    # Colour that transparent pixels are composited over (RGB, 0..255): white, like a browser page.
-    alpha_background: tuple[int, int, int] = (255, 255, 255)
-    # Resize so the crop covers the bucket times this margin, then centre-crop.
-    # 1.14 ~ 1/0.875, the crop ratio of the EfficientNet-Lite reference evaluation.
-    crop_margin: float = Field(1.14, ge=1.0, le=2.0)
-    # Source pixels per output pixel (each axis) the decoder keeps: a JPEG is decoded at 1/2, 1/4 or
-    # 1/8 scale and any frame box-reduced only as far as the bucket still gets this many
-    # (rampart.inputs.buckets.shrink_rule). 1.0: measured top-1 agreement in docs/decoding.md.
-    decode_oversample: float = Field(1.0, ge=1.0, le=8.0)
+    # Processes of the entry (API) service that accept HTTP requests (`bentoml.service(workers=...)`). Each has its
+    # own admission gates, which divide the runners' capacity between the workers (rampart.overload.admission; why:
+    # docs/overload.md). At most the smaller max_batch_size, so every worker's gate keeps at least one image of each
+    # batch and their shares add up to the runner's.
+    api_workers: int = Field(1, ge=1, description="processes of the entry service (HTTP, admission, pipeline); each "
+                             "worker's admission gates get 1/N of each runner; at most the smaller `MAX_BATCH_SIZE`. "
+                             "1 is the fastest on the 2-core host; the rule for bigger hosts: [Overload control]"
+                             "(overload.md#overload-control), several API workers")
+    # CPU placement (rampart.cores): replicas sharing one host (deploy.cluster) use "off": each would reserve the
+    # same cores.
+    cpu_pinning: Literal["auto", "off"] = Field("auto", description="`auto`: on a CPU-only host the primary runner "
+                                                "(and the shadow) is pinned to its own cores (as many as its threads) "
+                                                "and every other process to the rest; none on a GPU host, with one "
+                                                "core, or under a cgroup CPU quota below the visible cores; `off`: the "
+                                                "OS places everything (see [CPU placement](benchmarks.md#cpu-placement"
+                                                "-the-primary-keeps-its-capacity-under-overload)). `deploy.cluster` "
+                                                "replicas default to `off`")
+    gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0, description="share of the GPU's memory the primary may "
+                                       "allocate (`torch.cuda.set_per_process_memory_fraction`)")
+    cache_size: int = Field(1024, ge=0, description="entries of the content-hash answer cache, used when both models "
+                            "fail; 0 turns it off")
 
-    # Processes of the entry (API) service that accept HTTP requests (`bentoml.service(workers=...)`).
-    # Each has its own admission gates, which divide the runners' capacity between the workers
-    # (rampart.overload.admission; why: docs/overload.md). At most the smaller max_batch_size,
-    # so every worker's gate keeps at least one image of each batch and their shares add up to the runner's.
-    api_workers: int = Field(1, ge=1)
-
-    # Decode pool: workers on the host (shared between the API workers: `decode_workers_per_api_worker`)
-    # and how many uploads may wait for one. Waiting uploads hold only
-    # their compressed bytes (already read); decoded pixels exist only in workers.
-    # "processes": each worker is a process, killed and replaced when a decode overruns
-    # decode_timeout_ms (its slot is free again at once); "threads": workers are threads
-    # of the API process, and an overrunning decode keeps its slot until it ends.
-    decode_mode: Literal["processes", "threads"] = "processes"
-    decode_workers: int = Field(2, ge=1)
-    decode_queue: int = Field(512, ge=0)
-    # Niceness of the decode workers: the event loop thread, which answers and sheds,
-    # stays ahead of them for the CPU.
-    decode_nice: int = Field(5, ge=0, le=19)
-    # Longest one decode may run before the upload is refused (422 decode_timeout).
-    decode_timeout_ms: int = Field(3000, gt=0)
-
-    # Deadlines (X-Deadline-Ms), end to end.
-    default_deadline_ms: int = Field(1000, gt=0)
-    max_deadline_ms: int = Field(60_000, gt=0)
-    # Default deadline of a low-priority request (X-Priority: low, bulk work that only fills idle
-    # capacity): long, because it waits for the primary to have room; at most max_deadline_ms.
-    low_priority_deadline_ms: int = Field(10_000, gt=0)
-    # Part of every deadline kept back for the fallback when the primary is slow.
-    fallback_reserve_ms: int = Field(250, ge=0)
-    # The pipeline stops this long before the client's deadline, leaving time to send the answer.
-    answer_margin_ms: int = Field(20, ge=0)
-    # The least time an idle server needs, after the answer margin, to decode one photo and have the
-    # fallback classify it: measured 25 ms on the 2-core CI host (decode 5 ms, fallback call 20 ms:
-    # 5 transport, 15 inference), 2026-12-01. A deadline below min_deadline_ms = answer_margin_ms +
-    # min_service_ms (50 ms by default) is refused with 422 deadline_too_short, and the loop-lag
-    # reserve never cuts an accepted deadline's share below min_service_ms (docs/clients.md, "Deadlines").
-    min_service_ms: int = Field(30, ge=1)
-
-    # Adaptive batching (BentoML), per model. BentoML's dispatcher cancels (503) a request
-    # it predicts will exceed max_latency_ms; Rampart's own deadlines do the shedding, so
-    # the default is the longest deadline and the dispatcher never sheds first.
-    primary_max_batch_size: int = Field(16, ge=2)
-    primary_max_latency_ms: int = Field(60_000, gt=0)
-    fallback_max_batch_size: int = Field(32, ge=2)
-    fallback_max_latency_ms: int = Field(60_000, gt=0)
-
-    # GPU safety and admission control, per model (see rampart.overload.admission). Concurrent
-    # batches per device = runner threads; images dispatched at once =
-    # (concurrent_batches + 1) x max_batch_size; the wait queue holds throughput x
-    # queue_delay_ms images. Throughput is measured (warm-up, then every batch)
-    # unless *_throughput_ips > 0 fixes it.
-    primary_concurrent_batches: int = Field(1, ge=1)
-    fallback_concurrent_batches: int = Field(1, ge=1)
-    # Batching before the runner boundary (rampart.coalesce): images bound for one bucket of one runner
-    # that wait in an API worker go in one call when a call for that bucket returns, at most
-    # runner_calls_in_flight calls out per bucket (docs/serving-cost.md). Off: one call per image.
-    # One call out per bucket: at 5x overload on the 2-core host the primary's core then sat idle 5-7 s of 20
-    # waiting for round trips (2.2 s with two calls out), but with two, two replicas sharing the host
-    # served less than with one and in-flight requests of a draining replica got the static answer
-    # (docs/overload.md, "Predicting completion").
-    runner_coalescing: bool = True
-    runner_calls_in_flight: int = Field(1, ge=1)
-    # How a runner's batch dispatcher waits for its batch slot while a batch computes and requests are
-    # queued: "release" waits for the slot's release (rampart.compat.bentoml_batching.wake_on_release);
-    # "poll" is BentoML's own 1 ms poll, kept for the same-run A/B (docs/serving-cost.md).
-    runner_dispatch_wake: Literal["release", "poll"] = "release"
-    # A request whose client closes the connection after its body and before the answer is cancelled where it
-    # waits and its places are released (rampart.hangup); false: it runs to the end, as before (the A/B arm).
-    cancel_on_hang_up: bool = True
-    # A request holds an in-flight place only once its body is in; a body must arrive at min_body_bytes_per_s
-    # after body_grace_ms (at t after the head, (t - grace) x rate bytes), else it is cut with 408 and the
-    # connection closed (rampart.api.arrival). 0 turns the rate check off. Behind nginx (which buffers the
-    # body before it sends it on) bodies arrive at loopback speed.
-    min_body_bytes_per_s: int = Field(16384, ge=0)
-    body_grace_ms: int = Field(2000, ge=0)
-    primary_queue_delay_ms: int = Field(200, gt=0)
-    fallback_queue_delay_ms: int = Field(200, gt=0)
-    primary_throughput_ips: float = Field(0.0, ge=0.0)
-    fallback_throughput_ips: float = Field(0.0, ge=0.0)
-    # Time constant of the measured throughput, in busy time (idle time does not count).
-    throughput_tau_ms: int = Field(5_000, gt=0)
-    # OpenTelemetry spans for /classify and /classify_batch. Off: BentoML's tracing middleware
-    # costs about 0.3 ms of event-loop CPU per request even with no exporter (bench/middleware_bench.py).
-    trace_requests: bool = False
-    # BentoML's access line for every runner call (runners.common.runner_access_log_enabled); off,
-    # the entry service's JSON line (rampart.telemetry.accesslog) is the only line per request.
-    runner_access_log: bool = False
-    # Niceness of the runner processes. On a CPU-only host inference then yields the CPU
-    # to the API layer, which must keep answering (and shedding) under overload, and the
-    # fallback yields to the primary, whose full answers are worth more.
-    primary_nice: int = Field(5, ge=0, le=19)
-    fallback_nice: int = Field(10, ge=0, le=19)
-    # CPU threads of each model's engine: torch intra-op threads of the primary, ONNX Runtime
-    # intra-op threads of the fallback. 0 = the rule of ``default_cpu_threads`` from the host's
-    # cores and whether a GPU is present (docs/benchmarks.md, "CPU defaults").
-    # OpenMP's wait policy (OMP_WAIT_POLICY, PASSIVE unless set) is set in service.py.
-    primary_cpu_threads: int = Field(0, ge=0)
-    fallback_cpu_threads: int = Field(0, ge=0)
-    # CPU placement (rampart.cores): "auto" reserves the primary's cores on a CPU-only host and
-    # pins every other process to the rest; "off" leaves placement to the OS (replicas sharing
-    # one host, deploy.cluster, use it: each would reserve the same cores).
-    cpu_pinning: Literal["auto", "off"] = "auto"
-    # The primary's engine (inference.engine_choice, docs/engines.md): "auto" runs a PyTorch primary on the
-    # faster of PyTorch and its checked ONNX export, measured per image at each one's compute batch size when
-    # the runner starts on a CPU-only host, and on PyTorch on a GPU host; "torch" or "onnx" forces one (ONNX
-    # Runtime's CUDA provider on a GPU host). A stored primary without an export runs on PyTorch.
-    # Default "torch" for now: with the faster ONNX primary (33 images/s here) the 2-core host's
-    # other core saturates at 5x overload and the primary answered only 0.40-0.48 of its capacity
-    # in time, against 0.70-0.81 on PyTorch (docs/engines.md). deploy/k8s sets "auto".
-    primary_engine: Literal["auto", "torch", "onnx"] = "torch"
-    # Share of the GPU's memory the primary may allocate (torch.cuda.set_per_process_memory_fraction).
-    gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
-
-    # Circuit breaker on the primary (see rampart.overload.breaker).
-    breaker_window_ms: int = Field(10_000, gt=0)
-    breaker_min_calls: int = Field(10, ge=1)
-    breaker_failure_rate: float = Field(0.5, gt=0.0, le=1.0)
-    breaker_open_ms: int = Field(5_000, gt=0)
-    breaker_probes: int = Field(3, ge=1)
-
-    # Routing (rampart.pipeline, docs/overload.md, "Cascade"). "primary-first": the primary answers, the fallback
-    # only when the primary cannot. "cascade": the fallback answers first and keeps its answer when its
-    # confidence (cascade_confidence, rampart.results.confidences) is at least cascade_threshold, else
-    # the primary is asked within the same deadline. Both defaults are the calibration's recommendation
-    # (python -m bench.cascade_eval, docs/bench/cascade_eval.json "recommendation", run of 2026-11-30):
-    # msp at 0.42 is the lowest threshold with >= 99% top-1 agreement with the primary alone on the
-    # 322 bundled photos, leaving 23.0% of them to the fallback (margin: 17.7% at 0.32).
-    # "primary-only" (for experiments: the ablation, docs/benchmarks.md, "Ablation"): the fallback is never asked, and the
-    # primary gets the whole deadline (no fallback reserve).
-    routing: Literal["primary-first", "cascade", "primary-only"] = "primary-first"
-    cascade_confidence: Literal[CONFIDENCE_KINDS] = "msp"  # type: ignore[valid-type]  # "msp" or "margin"
-    cascade_threshold: float = Field(0.42, ge=0.0, le=1.0)
-
-    # Switches for experiments, not for production (the ablation, bench.ablation, docs/benchmarks.md, "Ablation").
-    # admission (rampart.overload.admission.ADMISSION_MODES): "full" sheds on the queue bound and on predicted
-    # lateness; "queue-bound" only on the queue bound; "off" never (unbounded model queues and decode queue, no
-    # in-flight bound). honour_deadlines false: the server ignores the client's deadline and gives every request
-    # max_deadline_ms (no early stop, no TTL drop in practice).
-    admission: Literal[ADMISSION_MODES] = "full"  # type: ignore[valid-type]  # "full", "queue-bound" or "off"
-    # How a gate predicts completion (rampart.overload.admission.AdmissionGate.completion_s): "meter", images
-    # ahead x the busy-time meter's time per image; "service", the runner's own compute per image plus a
-    # measured travel time (ServiceTime). "meter" by default (docs/overload.md, "Predicting completion").
-    admission_prediction: Literal["meter", "service"] = "meter"
-    honour_deadlines: bool = True
-
-    # Monitoring that stays cheap under a storm of scrapes (rampart.telemetry.scrapes, docs/observability.md).
-    # GET /stats takes each runner's counters from a copy in the API worker, asked again when it is older than
-    # this (one call in flight per runner; the body's runner_age_ms says how old); 0: asked on every /stats.
-    stats_runner_refresh_ms: int = Field(500, ge=0)
-    # GET /metrics (every process's metric files merged) is rendered at most once per this interval; each
-    # scrape gets the next rendering begun after it arrived, shared with the scrapes waiting for the same one;
-    # 0: every scrape renders its own.
-    metrics_render_interval_ms: int = Field(500, ge=0)
-
-    # Content-hash LRU cache of answers, used when both models fail; 0 turns it off.
-    cache_size: int = Field(1024, ge=0)
-
-    # Batch API.
-    max_batch_images: int = Field(16, ge=1)
-
-    # Shadow traffic (rampart.shadow, docs/overload.md, "Shadow traffic"): a candidate model in the store
-    # (empty: off, no third runner) gets this share of the /classify requests a model answered,
-    # after the answer is sent, only while the models are not busy (rampart.shadow.models_busy) and
-    # no request was shed for a second, at most shadow_max_inflight at once, each within
-    # shadow_deadline_ms, its runner at shadow_nice.
-    shadow_model: str = ""
-    shadow_rate: float = Field(0.1, ge=0.0, le=1.0)
-    shadow_deadline_ms: int = Field(1000, gt=0)
-    shadow_max_inflight: int = Field(2, ge=1)
-    shadow_nice: int = Field(15, ge=0, le=19)
-
-    # Fault injection for drills and tests: off by default.
-    fault_primary_delay_ms: int = Field(0, ge=0)
-    fault_primary_error_rate: float = Field(0.0, ge=0.0, le=1.0)
-    fault_primary_hang: bool = False
-    fault_fallback_error_rate: float = Field(0.0, ge=0.0, le=1.0)
-    fault_shadow_delay_ms: int = Field(0, ge=0)
-    fault_shadow_error_rate: float = Field(0.0, ge=0.0, le=1.0)
-    # Every decode hangs (before decoding) until the fault ends: drills the decode timeout.
-    fault_decode_hang: bool = False
-    # A JSON file of fault_* keys, re-read while the server runs, that overrides the
-    # fault_* settings above: drills can start and stop a fault without a restart.
-    fault_file: str = ""
+    @model_validator(mode="before")
+    @classmethod
+    def _fold_flat_names(cls, data: Any) -> Any:
+        """Moves flat keyword arguments (``primary_max_batch_size=8``) into their groups; other keys stay as given."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        groups: dict[str, dict[str, Any]] = {}
+        for key in list(data):
+            # ``experiments`` is both a group and the flat name of its flag: a dict or model is the group.
+            if key in GROUPS and (isinstance(data[key], (dict, BaseModel))):
+                continue
+            if key in FLAT_NAMES and FLAT_NAMES[key][1] is not None:
+                group, field_name = FLAT_NAMES[key]
+                groups.setdefault(group, {})[field_name] = data.pop(key)
+        for group in {*groups, *ROLE_DEFAULTS}:
+            given = data.get(group)
+            if isinstance(given, BaseModel):
+                if group not in groups:
+                    continue
+                given = given.model_dump(exclude_unset=group not in ROLE_DEFAULTS)
+            # A model role's own defaults, then what was given nested, then the flat names.
+            data[group] = {**ROLE_DEFAULTS.get(group, {}), **(given or {}), **groups.get(group, {})}
+        return data
 
     @model_validator(mode="after")
     def _deadlines_consistent(self) -> "Settings":
-        if self.default_deadline_ms > self.max_deadline_ms:
-            raise ValueError(
-                f"default_deadline_ms={self.default_deadline_ms} exceeds max_deadline_ms={self.max_deadline_ms}"
-            )
+        deadlines = self.deadlines
+        if deadlines.default_deadline_ms > deadlines.max_deadline_ms:
+            raise ValueError(f"default_deadline_ms={deadlines.default_deadline_ms} exceeds "
+                             f"max_deadline_ms={deadlines.max_deadline_ms}")
         # Only a low default set on purpose is refused; the built-in 10 s yields to a shorter
         # max_deadline_ms (rampart.api.http.parse_deadline caps it), so such a server still starts.
-        if "low_priority_deadline_ms" in self.model_fields_set and self.low_priority_deadline_ms > self.max_deadline_ms:
-            raise ValueError(f"low_priority_deadline_ms={self.low_priority_deadline_ms} exceeds "
-                             f"max_deadline_ms={self.max_deadline_ms}")
+        if ("low_priority_deadline_ms" in deadlines.model_fields_set
+                and deadlines.low_priority_deadline_ms > deadlines.max_deadline_ms):
+            raise ValueError(f"low_priority_deadline_ms={deadlines.low_priority_deadline_ms} exceeds "
+                             f"max_deadline_ms={deadlines.max_deadline_ms}")
         return self
 
     @model_validator(mode="after")
     def _workers_fit_the_batches(self) -> "Settings":
-        smallest = min(self.primary_max_batch_size, self.fallback_max_batch_size)
+        smallest = min(self.primary.max_batch_size, self.fallback.max_batch_size)
         if self.api_workers > smallest:
             raise ValueError(f"api_workers={self.api_workers} exceeds the smaller max_batch_size ({smallest}): "
                              "the workers' admission gates would together hold more than the runner's batches")
@@ -289,43 +491,112 @@ class Settings(BaseModel):
         Below it the answer is 422 ``deadline_too_short``; from it on an idle server answers 200
         (``rampart.api.http.parse_deadline``).
         """
-        return self.answer_margin_ms + self.min_service_ms
+        return self.deadlines.answer_margin_ms + self.deadlines.min_service_ms
 
     @model_validator(mode="after")
     def _min_deadline_below_the_default(self) -> "Settings":
-        if self.min_deadline_ms > self.default_deadline_ms:
+        if self.min_deadline_ms > self.deadlines.default_deadline_ms:
             raise ValueError(f"min_deadline_ms (answer_margin_ms + min_service_ms = {self.min_deadline_ms}) exceeds "
-                             f"default_deadline_ms={self.default_deadline_ms}")
+                             f"default_deadline_ms={self.deadlines.default_deadline_ms}")
+        return self
+
+    @model_validator(mode="after")
+    def _experiments_need_the_flag(self) -> "Settings":
+        if self.experiments.enabled:
+            return self
+        values = {"admission": self.experiments.admission, "honour_deadlines": self.experiments.honour_deadlines,
+                  "routing": self.routing.mode}
+        for flat, value in values.items():
+            if value not in _PRODUCTION[flat]:
+                shown = str(value).lower() if isinstance(value, bool) else value
+                raise ValueError(f"{ENV_PREFIX}{flat.upper()}={shown} is an experiment's setting (the ablation, "
+                                 f"docs/configuration.md, \"Experiments\"): set {ENV_PREFIX}EXPERIMENTS=true to use it")
         return self
 
     @property
-    def decode_workers_per_api_worker(self) -> int:
-        """Decode workers each API worker starts: ``decode_workers // api_workers``, at least 1.
+    def admission_mode(self) -> str:
+        """The admission gates' mode (``rampart.overload.admission.ADMISSION_MODES``): ``full`` unless an experiment says otherwise."""
+        return self.experiments.admission if self.experiments.enabled else "full"
 
-        ``decode_workers`` counts decoders on the whole host, so adding API workers does
+    @property
+    def honour_deadlines(self) -> bool:
+        """Whether the client's deadline is honoured: true unless an experiment says otherwise."""
+        return self.experiments.honour_deadlines if self.experiments.enabled else True
+
+    @property
+    def decode_workers_per_api_worker(self) -> int:
+        """Decode workers each API worker starts: ``decoding.workers // api_workers``, at least 1.
+
+        ``decoding.workers`` counts decoders on the whole host, so adding API workers does
         not multiply the decode processes competing for the same cores (only when there
-        are more API workers than ``decode_workers`` does each still get one).
+        are more API workers than ``decoding.workers`` does each still get one).
         """
-        return max(1, self.decode_workers // self.api_workers)
+        return max(1, self.decoding.workers // self.api_workers)
+
+    def flat(self, name: str) -> Any:
+        """The value of the setting with flat name ``name`` (``"primary_max_batch_size"``); ``KeyError`` if unknown."""
+        group, field_name = FLAT_NAMES[name]
+        value = getattr(self, group)
+        return value if field_name is None else getattr(value, field_name)
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None) -> "Settings":
-        """Build settings from ``RAMPART_*`` variables (``os.environ`` by default).
+        """Build settings from ``RAMPART_*`` variables (``os.environ`` by default), one per flat name (``FLAT_NAMES``).
 
-        Tuples are written comma-separated (``RAMPART_ALPHA_BACKGROUND=0,0,0``).
-        Raises ``pydantic.ValidationError`` for a malformed or out-of-range value.
+        Tuples are written comma-separated (``RAMPART_ALPHA_BACKGROUND=0,0,0``); other ``RAMPART_*``
+        variables are ignored. Raises ``pydantic.ValidationError`` for a malformed or out-of-range value.
         """
         environ = os.environ if environ is None else environ
         values: dict[str, object] = {}
-        for name, field in cls.model_fields.items():
+        for name in FLAT_NAMES:
             raw = environ.get(ENV_PREFIX + name.upper())
             if raw is None:
                 continue
-            values[name] = raw.split(",") if field.annotation == tuple[int, int, int] else raw
+            values[name] = raw.split(",") if _field(name).annotation == tuple[int, int, int] else raw
         return cls.model_validate(values)
+
+
+def _field(name: str):
+    """The pydantic ``FieldInfo`` of the setting with flat name ``name``."""
+    group, field_name = FLAT_NAMES[name]
+    if field_name is None:
+        return Settings.model_fields[group]
+    return GROUPS[group][0].model_fields[field_name]
+
+
+def _shown(value: Any) -> str:
+    """A default as the table writes it: ``true``, ``255,255,255``, ``empty``, numbers and words as they are."""
+    if isinstance(value, bool):
+        return "`true`" if value else "`false`"
+    if isinstance(value, tuple):
+        return "`" + ",".join(str(v) for v in value) + "`"
+    if value == "":
+        return "empty"
+    return f"`{value}`"
+
+
+def settings_table() -> str:
+    """The markdown table of every ``RAMPART_*`` variable: variable, default, nested path, description.
+
+    One row per flat name, in ``FLAT_NAMES`` order (by group); defaults are ``Settings()``'s. Returned
+    with a trailing newline; docs/configuration.md embeds it unchanged.
+    """
+    defaults = Settings()
+    rows = ["| variable | default | setting | meaning |", "| --- | --- | --- | --- |"]
+    for name, (group, field_name) in FLAT_NAMES.items():
+        path = group if field_name is None else f"{group}.{field_name}"
+        description = (_field(name).description or "").replace("|", "\\|")
+        rows.append(f"| `{ENV_PREFIX}{name.upper()}` | {_shown(defaults.flat(name))} | `{path}` | {description} |")
+    return "\n".join(rows) + "\n"
 
 
 @functools.cache
 def get_settings() -> Settings:
     """The process-wide settings, read from the environment on first use."""
     return Settings.from_env()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["--table"]:
+        sys.exit("usage: python -m rampart.config --table  (prints docs/configuration.md's table of settings)")
+    sys.stdout.write(settings_table())

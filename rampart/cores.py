@@ -108,7 +108,7 @@ def host_core_plan(settings: Settings) -> CorePlan | None:
     if settings.cpu_pinning == "off":
         return None
     cores, gpu = usable_cores(), gpu_device_present()
-    threads = settings.primary_cpu_threads or default_cpu_threads("primary", len(cores), gpu)
+    threads = settings.primary.cpu_threads or default_cpu_threads("primary", len(cores), gpu)
     return core_plan(cores, threads, gpu, cpu_quota_cores())
 
 

@@ -39,11 +39,11 @@ as the first choice (``cascade_fallback_unavailable``: a full answer); if neithe
 answers, the cache and static answer follow as above. The fallback asked first may
 use the whole ``Share.ALL``, so a fallback that hangs leaves the primary no time.
 
-With ``routing="primary-only"`` (an experiment's setting: the ablation, docs/benchmarks.md,
-"Ablation") the fallback is never asked: the primary alone, with the whole deadline
-(``Share.ALL``, no fallback reserve), then the cache and the static answer; 429 when
-the primary shed the request. The settings ``admission`` (the gates' ``mode``; ``off``
-also unbounds the decode queue and the in-flight bound) and ``honour_deadlines``
+With ``routing.mode="primary-only"`` (an experiment's setting, only with ``RAMPART_EXPERIMENTS=true``: the
+ablation, docs/configuration.md, "Experiments") the fallback is never asked: the primary alone, with the whole
+deadline (``Share.ALL``, no fallback reserve), then the cache and the static answer; 429 when
+the primary shed the request. ``Settings.admission_mode`` (the gates' ``mode``; ``off``
+also unbounds the decode queue and the in-flight bound) and ``Settings.honour_deadlines``
 (``rampart.overload.deadline.Deadline.sliced``) are the ablation's other switches.
 
 Requests of the ``low`` priority class (``X-Priority: low``, bulk work: the module doc
@@ -117,15 +117,15 @@ def decode_limits(settings: Settings, buckets: list[Bucket]) -> DecodeLimits:
     """Decode limits from settings. ``min_decoded_side`` (2× the largest bucket side) only serves callers
     of ``decode_image`` without a shrink rule; the pipeline's decode shrinks by ``DecodePlan``'s rule."""
     return DecodeLimits(
-        max_body_bytes=settings.max_body_bytes,
-        max_pixels=settings.max_pixels,
-        min_side_px=settings.min_side_px,
-        max_aspect_ratio=settings.max_aspect_ratio,
-        max_frames=settings.max_frames,
+        max_body_bytes=settings.inputs.max_body_bytes,
+        max_pixels=settings.inputs.max_pixels,
+        min_side_px=settings.inputs.min_side_px,
+        max_aspect_ratio=settings.inputs.max_aspect_ratio,
+        max_frames=settings.inputs.max_frames,
         min_decoded_side=2 * max(max(b.height, b.width) for b in buckets),
-        alpha_background=settings.alpha_background,
-        max_jpeg_scans=settings.max_jpeg_scans,
-        max_chunks=settings.max_chunks,
+        alpha_background=settings.inputs.alpha_background,
+        max_jpeg_scans=settings.inputs.max_jpeg_scans,
+        max_chunks=settings.inputs.max_chunks,
     )
 
 
@@ -133,17 +133,17 @@ def decode_plan(settings: Settings, buckets: dict[str, dict[str, Bucket]]) -> De
     """The ``DecodePlan`` the service decodes with, for models whose buckets by role are ``buckets``:
     ``decode_limits`` over all of them, ``crop_margin``, ``decode_oversample`` and the decode-hang fault."""
     every = [bucket for role in buckets.values() for bucket in role.values()]
-    return DecodePlan(decode_limits(settings, every), buckets, settings.crop_margin, settings.fault_decode_hang,
-                      settings.fault_file, settings.decode_oversample)
+    return DecodePlan(decode_limits(settings, every), buckets, settings.inputs.crop_margin, settings.faults.decode_hang,
+                      settings.faults.file, settings.decoding.oversample)
 
 
 def decode_pool(settings: Settings) -> BoundedPool:
     """This API worker's decode pool: ``decode_mode`` processes (forkserver preloaded with the decode
     code) or threads, ``Settings.decode_workers_per_api_worker`` of them at ``decode_nice``, and a wait
     queue of ``decode_queue`` uploads (unbounded with ``admission`` ``off``, an experiment's setting)."""
-    queue = sys.maxsize if settings.admission == "off" else settings.decode_queue
-    return BoundedPool(settings.decode_workers_per_api_worker, queue, nice=settings.decode_nice,
-                       processes=settings.decode_mode == "processes", preload=("rampart.inputs.decode_job",))
+    queue = sys.maxsize if settings.admission_mode == "off" else settings.decoding.queue
+    return BoundedPool(settings.decode_workers_per_api_worker, queue, nice=settings.decoding.nice,
+                       processes=settings.decoding.mode == "processes", preload=("rampart.inputs.decode_job",))
 
 
 @dataclass(frozen=True)
@@ -178,26 +178,26 @@ class Pipeline:
     def __init__(self, settings: Settings, primary: ModelEndpoint, fallback: ModelEndpoint, pool: BoundedPool) -> None:
         self.settings = settings
         self.pool = pool
-        tau_s = settings.throughput_tau_ms / 1000
+        tau_s = settings.admission.throughput_tau_ms / 1000
         workers = settings.api_workers  # each API worker's gates get 1/workers of each runner (admission module doc)
         self.primary = ModelLane("primary", primary, AdmissionGate(
-            primary.name, settings.primary_max_batch_size, settings.primary_concurrent_batches,
-            settings.primary_queue_delay_ms, ThroughputMeter(settings.primary_throughput_ips, tau_s, share=1 / workers),
-            workers=workers, mode=settings.admission, prediction=settings.admission_prediction,
+            primary.name, settings.primary.max_batch_size, settings.primary.concurrent_batches,
+            settings.primary.queue_delay_ms, ThroughputMeter(settings.primary.throughput_ips, tau_s, share=1 / workers),
+            workers=workers, mode=settings.admission_mode, prediction=settings.admission.prediction,
         ), CircuitBreaker(
-            window_s=settings.breaker_window_ms / 1000, min_calls=settings.breaker_min_calls,
-            failure_rate=settings.breaker_failure_rate, open_s=settings.breaker_open_ms / 1000,
-            probes=settings.breaker_probes,
-        ), Share.ALL if settings.routing == "primary-only" else Share.PRIMARY)
+            window_s=settings.breaker.window_ms / 1000, min_calls=settings.breaker.min_calls,
+            failure_rate=settings.breaker.failure_rate, open_s=settings.breaker.open_ms / 1000,
+            probes=settings.breaker.probes,
+        ), Share.ALL if settings.routing.mode == "primary-only" else Share.PRIMARY)
         self.fallback = ModelLane("fallback", fallback, AdmissionGate(
-            fallback.name, settings.fallback_max_batch_size, settings.fallback_concurrent_batches,
-            settings.fallback_queue_delay_ms, ThroughputMeter(settings.fallback_throughput_ips, tau_s, share=1 / workers),
-            workers=workers, mode=settings.admission, prediction=settings.admission_prediction,
+            fallback.name, settings.fallback.max_batch_size, settings.fallback.concurrent_batches,
+            settings.fallback.queue_delay_ms, ThroughputMeter(settings.fallback.throughput_ips, tau_s, share=1 / workers),
+            workers=workers, mode=settings.admission_mode, prediction=settings.admission.prediction,
         ), None, Share.ALL)
-        self.cascade = settings.routing == "cascade"
+        self.cascade = settings.routing.mode == "cascade"
         #: The lanes in the order the routing asks them (admission takes a place with the first that has room).
         self.order = ((self.fallback, self.primary) if self.cascade else
-                      (self.primary,) if settings.routing == "primary-only" else (self.primary, self.fallback))
+                      (self.primary,) if settings.routing.mode == "primary-only" else (self.primary, self.fallback))
         self.routes = dict.fromkeys(ROUTES, 0)  # model answers by route
         self.recent_confidences: collections.deque[float] = collections.deque(maxlen=CONFIDENCE_WINDOW)
         if self.cascade:
@@ -233,7 +233,7 @@ class Pipeline:
         be shed by admission, so they are refused before BentoML's middlewares.
         Unbounded (``sys.maxsize``) with ``admission`` ``off``.
         """
-        if self.settings.admission == "off":
+        if self.settings.admission_mode == "off":
             return sys.maxsize
         return 2 * sum(lane.gate.window + lane.gate.queue_limit for lane in self.order)
 
@@ -301,10 +301,10 @@ class Pipeline:
             rank += LOW_DECODE_RANK if klass == LOW else 0
             prepared = await self.pool.run(prepare, data, self.plan, self._decode_role(admission), high=klass == HIGH,
                                            rank=rank, budget_s=deadline.remaining_s(),
-                                           run_limit_s=self.settings.decode_timeout_ms / 1000)
+                                           run_limit_s=self.settings.decoding.timeout_ms / 1000)
         except JobTimeout as exc:
             if exc.by_run_limit:
-                raise DecodeTimeout(f"decoding took longer than {self.settings.decode_timeout_ms} ms") from None
+                raise DecodeTimeout(f"decoding took longer than {self.settings.decoding.timeout_ms} ms") from None
             raise
         except WorkerDied as exc:  # a decoder crash (or the OOM killer) on this input: the input's fault
             raise CorruptImage(f"the image could not be decoded: {exc}") from None
@@ -421,7 +421,7 @@ class Pipeline:
         if self.cascade:
             if first.answer is not None:
                 confidence = self.confidence(first.answer.probs)
-                if confidence >= self.settings.cascade_threshold:
+                if confidence >= self.settings.routing.threshold:
                     return answer(self.fallback, first, None, "cascade_confident")
             second = await self._attempt(self.primary, admission, prepared, deadline, priority)
             if second.answer is not None:
@@ -499,7 +499,7 @@ class Pipeline:
     def confidence(self, probs: np.ndarray) -> float:
         """The fallback's confidence in its top-1 class (``cascade_confidence`` of ``rampart.results.confidences``)
         for one float32 (C,) probability vector, in [0, 1]; observed in ``rampart_cascade_confidence`` and ``/stats``."""
-        value = float(confidences(probs[np.newaxis, :])[self.settings.cascade_confidence][0])
+        value = float(confidences(probs[np.newaxis, :])[self.settings.routing.confidence][0])
         metrics.CASCADE_CONFIDENCE.observe(value)
         self.recent_confidences.append(value)
         return value
@@ -565,15 +565,15 @@ class Pipeline:
         escalated or not; None before any), ``escalated_rate`` (share of those the primary answered) and quantiles
         (p10, p50, p90) of the last ``CONFIDENCE_WINDOW`` fallback confidences."""
         if not self.cascade:
-            return {"routing": self.settings.routing}
+            return {"routing": self.settings.routing.mode}
         routes = {route: self.routes[route] for route in metrics.CASCADE_ROUTES}
         asked = routes["cascade_confident"] + routes["cascade_escalated"] + routes["cascade_not_escalated"]
         unsure = routes["cascade_escalated"] + routes["cascade_not_escalated"]
         recent = np.asarray(self.recent_confidences, dtype=np.float32)
         return {
-            "routing": self.settings.routing,
-            "confidence": self.settings.cascade_confidence,
-            "threshold": self.settings.cascade_threshold,
+            "routing": self.settings.routing.mode,
+            "confidence": self.settings.routing.confidence,
+            "threshold": self.settings.routing.threshold,
             "routes": routes,
             "escalation_rate": round(unsure / asked, 4) if asked else None,
             "escalated_rate": round(routes["cascade_escalated"] / unsure, 4) if unsure else None,

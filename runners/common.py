@@ -45,7 +45,7 @@ __all__ = ["RunnerItem", "RunnerResult", "BucketedRunner", "RunnerSpec", "runner
 
 check_versions()  # the runner processes run on the pinned BentoML, uvicorn and httptools, or not at all
 dispatch_when_free()  # BentoML's batcher learns to hold a lone request back after an overload: see the function
-if get_settings().runner_dispatch_wake == "release":
+if get_settings().runners.dispatch_wake == "release":
     wake_on_release()  # BentoML's batcher polls every 1 ms for a free batch slot: see the function
 
 
@@ -237,7 +237,7 @@ def runner_access_log_enabled() -> bool:
     ``RAMPART_RUNNER_ACCESS_LOG=true`` or BentoML's debug mode (``bentoml serve --debug``
     or ``BENTOML_DEBUG=true``), read when the runner class is defined.
     """
-    return get_settings().runner_access_log or debug_mode()
+    return get_settings().runners.access_log or debug_mode()
 
 
 @dataclass(frozen=True)
@@ -271,23 +271,19 @@ def runner_spec(settings: Settings, role: str) -> RunnerSpec:
     The shadow runner gets batches of at most ``shadow_max_inflight`` (never more are
     sent), what the primary leaves of the GPU's memory, and a timeout from its own deadline.
     """
-    longest_s = settings.max_deadline_ms / 1000 + 10
-    if role == "primary":
-        return RunnerSpec(role, settings.primary_model, settings.primary_max_batch_size, settings.primary_max_latency_ms,
-                          settings.primary_concurrent_batches, settings.primary_nice,
-                          FaultSpec(settings.fault_primary_delay_ms, settings.fault_primary_error_rate,
-                                    settings.fault_primary_hang),
-                          settings.gpu_memory_fraction, longest_s, settings.primary_cpu_threads)
-    if role == "fallback":
-        return RunnerSpec(role, settings.fallback_model, settings.fallback_max_batch_size,
-                          settings.fallback_max_latency_ms, settings.fallback_concurrent_batches, settings.fallback_nice,
-                          FaultSpec(error_rate=settings.fault_fallback_error_rate),
-                          settings.gpu_memory_fraction, longest_s, settings.fallback_cpu_threads)
+    longest_s = settings.deadlines.max_deadline_ms / 1000 + 10
+    if role in ("primary", "fallback"):
+        model = settings.primary if role == "primary" else settings.fallback
+        faults = (FaultSpec(settings.faults.primary_delay_ms, settings.faults.primary_error_rate,
+                            settings.faults.primary_hang) if role == "primary"
+                  else FaultSpec(error_rate=settings.faults.fallback_error_rate))
+        return RunnerSpec(role, model.model, model.max_batch_size, model.max_latency_ms, model.concurrent_batches,
+                          model.nice, faults, settings.gpu_memory_fraction, longest_s, model.cpu_threads)
     if role == "shadow":
-        return RunnerSpec(role, settings.shadow_model, max(2, settings.shadow_max_inflight), settings.max_deadline_ms,
-                          1, settings.shadow_nice,
-                          FaultSpec(settings.fault_shadow_delay_ms, settings.fault_shadow_error_rate),
-                          max(0.05, 1.0 - settings.gpu_memory_fraction), settings.shadow_deadline_ms / 1000 + 10, 1)
+        return RunnerSpec(role, settings.shadow.model, max(2, settings.shadow.max_inflight), settings.deadlines.max_deadline_ms,
+                          1, settings.shadow.nice,
+                          FaultSpec(settings.faults.shadow_delay_ms, settings.faults.shadow_error_rate),
+                          max(0.05, 1.0 - settings.gpu_memory_fraction), settings.shadow.deadline_ms / 1000 + 10, 1)
     raise ValueError(f"unknown runner role {role!r}")
 
 
@@ -304,7 +300,7 @@ def pick_engine(spec: RunnerSpec, model, settings: Settings, threads: int,
                 shape: tuple[int, int, int]) -> EngineChoice:
     """The engine ``spec.role``'s runner computes ``model`` (a ``bentoml.Model``) on, logged once.
 
-    The primary follows ``settings.primary_engine`` (``inference.engine_choice.choose_engine``);
+    The primary follows ``settings.primary.engine`` (``inference.engine_choice.choose_engine``);
     on a CPU-only host under "auto" both engines are timed in one child process under this
     process's pinning (call after ``setup``), with ``threads`` intra-op threads, on ``shape``
     at ``candidate_sizes(spec.max_batch_size)``. Every other runner uses its model's own engine.
@@ -318,7 +314,7 @@ def pick_engine(spec: RunnerSpec, model, settings: Settings, threads: int,
         choice = choose_engine("auto", available[:1], cuda_present(), lambda engines: {})
     else:
         sizes = candidate_sizes(spec.max_batch_size)
-        choice = choose_engine(settings.primary_engine, available, cuda_present(),
+        choice = choose_engine(settings.primary.engine, available, cuda_present(),
                                lambda engines: measure_in_child(model.path, dict(meta), engines, threads, shape,
                                                                 sizes, spec.memory_fraction))
         if "onnx" not in available and meta.get("onnx_export_error"):
@@ -369,8 +365,8 @@ def define_runner(role: str, name: str, doc: str) -> bentoml.Service:
                            max_batch_size=spec.max_batch_size, max_latency_ms=spec.max_latency_ms)
 
     def __init__(self) -> None:
-        self.setup(role, self.model.info.metadata["resolution"], FaultInjector(role, spec.faults, settings.fault_file),
-                   spec.max_batch_size, spec.nice, settings.max_deadline_ms)
+        self.setup(role, self.model.info.metadata["resolution"], FaultInjector(role, spec.faults, settings.faults.file),
+                   spec.max_batch_size, spec.nice, settings.deadlines.max_deadline_ms)
         threads = engine_cpu_threads(spec)
         self.engine_choice = pick_engine(spec, self.model, settings, threads, self.buckets["square"].shape)
         self.engine = load_engine(self.model, spec.memory_fraction, threads, engine=self.engine_choice.engine)

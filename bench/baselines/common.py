@@ -31,7 +31,7 @@ def load_primary(tag: str | None = None):
     from rampart.config import get_settings
 
     settings = get_settings()
-    stored = bentoml.models.get(tag or settings.primary_model)
+    stored = bentoml.models.get(tag or settings.primary.model)
     meta = stored.info.metadata
     return load_engine(stored, settings.gpu_memory_fraction), list(meta["labels"]), int(meta["resolution"])
 

@@ -93,7 +93,7 @@ class AppState:
     ``runner_stats`` (for ``GET /stats``) and ``shadow`` (the shadow-traffic mirror, or None).
 
     ``runner_figures`` keeps what ``runner_stats`` last gave per role, asked again at most every
-    ``settings.stats_runner_refresh_ms`` with one call in flight per role (``Refreshed``): ``GET /stats``
+    ``settings.telemetry.stats_runner_refresh_ms`` with one call in flight per role (``Refreshed``): ``GET /stats``
     reads it, so however often it is scraped the runners get at most one call each per interval."""
 
     settings: Settings
@@ -105,7 +105,7 @@ class AppState:
     runner_figures: Refreshed = field(init=False)
 
     def __post_init__(self) -> None:
-        self.runner_figures = Refreshed(self._ask_runner, self.settings.stats_runner_refresh_ms / 1000.0)
+        self.runner_figures = Refreshed(self._ask_runner, self.settings.telemetry.stats_runner_refresh_ms / 1000.0)
 
     async def _ask_runner(self, role: str) -> dict | None:
         """``runner_stats(role)``, or None (logged) when it raises: a failing runner leaves ``/stats`` answering."""
@@ -248,13 +248,13 @@ async def read_images(call: Call, state: AppState, field: str, max_files: int,
     state.pipeline.check_capacity(call.deadline, call.priority)  # sheds (429) before the body is read
     if multipart:
         texts: dict[str, str | None] = {"top_k": None}
-        files = await http.read_multipart(request, field, max_files, settings.max_body_bytes, call.deadline, texts)
+        files = await http.read_multipart(request, field, max_files, settings.inputs.max_body_bytes, call.deadline, texts)
         if texts["top_k"] is not None:
             if "top_k" in request.query_params:
                 raise InvalidParameter("top_k is given both as a query parameter and as a multipart field")
             call.top_k = http.top_k_of(texts["top_k"])
         return files
-    return [("", await http.read_body(request, settings.max_body_bytes, call.deadline))]
+    return [("", await http.read_body(request, settings.inputs.max_body_bytes, call.deadline))]
 
 
 async def classify(request: Request, state: AppState) -> Response:
@@ -284,7 +284,7 @@ async def classify_batch(request: Request, state: AppState) -> Response:
     """
     call = Call(request, http.request_id_of(request), time.perf_counter())
     try:
-        files = await read_images(call, state, "images", state.settings.max_batch_images, raw_body=False)
+        files = await read_images(call, state, "images", state.settings.inputs.max_batch_images, raw_body=False)
     except Exception as exc:
         return failed(request, call.request_id, call.priority, call.started, exc)
     results = await asyncio.gather(*(_batch_entry(state.pipeline, call, i, name, data)
@@ -405,8 +405,8 @@ def answer_body_too_slow(app: Starlette) -> ASGIApp:
     async def too_slow(scope, receive, send) -> None:
         request = Request(scope, receive)
         settings = state.settings
-        error = BodyTimeout(f"the body arrived slower than {settings.min_body_bytes_per_s} bytes/s after the first "
-                            f"{settings.body_grace_ms} ms")
+        error = BodyTimeout(f"the body arrived slower than {settings.connections.min_body_bytes_per_s} bytes/s "
+                            f"after the first {settings.connections.body_grace_ms} ms")
         request_id = http.request_id_of(request)
         response = failed(request, request_id, False, time.perf_counter(), error)
         if oip.is_oip_path(scope["path"]):

@@ -108,8 +108,7 @@ class ClassifyAnswer(BaseModel):
                     "cached_result, no_model_available or deadline_exceeded")
     route: Optional[str] = Field(
         description="how a model answer was reached: primary_first, cascade_confident, cascade_escalated, "
-                    "cascade_not_escalated or cascade_fallback_unavailable (primary_only with the experiments' routing "
-                    "primary-only); null when no model answered now")
+                    "cascade_not_escalated or cascade_fallback_unavailable; null when no model answered now")
     needs_review: bool
     bucket: Optional[str] = Field(description="the input size bucket the image was fitted to")
     timings_ms: Timings

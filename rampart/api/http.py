@@ -106,14 +106,14 @@ def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.
     ``deadline_too_short``) for one below ``settings.min_deadline_ms``.
     """
     if arrival is None:
-        arrival = arrival_of(request.scope, request.headers.get("x-request-start"), settings.max_deadline_ms)
+        arrival = arrival_of(request.scope, request.headers.get("x-request-start"), settings.deadlines.max_deadline_ms)
     raw = request.headers.get("x-deadline-ms")
     if raw is None:
         low = request.headers.get("x-priority", "").strip().lower() == "low"
         # The low class's long default is capped like any deadline: a server with a short max_deadline_ms
         # (a test's, an operator's) must still start with the default low deadline.
-        default_ms = min(settings.low_priority_deadline_ms, settings.max_deadline_ms) if low else \
-            settings.default_deadline_ms
+        default_ms = min(settings.deadlines.low_priority_deadline_ms, settings.deadlines.max_deadline_ms) if low else \
+            settings.deadlines.default_deadline_ms
         return Deadline.sliced(default_ms, arrival, settings, loop_lag_ms)
     try:
         budget = float(raw)
@@ -124,10 +124,10 @@ def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.
     if budget < settings.min_deadline_ms:
         raise DeadlineTooShort(
             f"X-Deadline-Ms={raw[:32]} is below the minimum deadline of {settings.min_deadline_ms} ms (answer_margin_ms "
-            f"{settings.answer_margin_ms} + min_service_ms {settings.min_service_ms}): too short to classify an image "
+            f"{settings.deadlines.answer_margin_ms} + min_service_ms {settings.deadlines.min_service_ms}): too short to classify an image "
             "even on an idle server"
         )
-    return Deadline.sliced(min(budget, settings.max_deadline_ms), arrival, settings, loop_lag_ms)
+    return Deadline.sliced(min(budget, settings.deadlines.max_deadline_ms), arrival, settings, loop_lag_ms)
 
 
 def parse_priority(request: Request) -> str:

@@ -235,7 +235,7 @@ class Limits:
     @classmethod
     def of(cls, settings: Settings) -> "Limits":
         """The limits ``settings`` give."""
-        return cls(settings.max_batch_images, settings.max_body_bytes, settings.max_pixels)
+        return cls(settings.inputs.max_batch_images, settings.inputs.max_body_bytes, settings.inputs.max_pixels)
 
 
 def _json_values_bound(header_bytes: bytes) -> int:
@@ -641,7 +641,7 @@ def model_config(settings: Settings, version: str, models: dict[str, str] | None
         "platform": "rampart",
         "backend": "rampart",
         "version_policy": {"specific": {"versions": [version]}},
-        "max_batch_size": settings.max_batch_images,
+        "max_batch_size": settings.inputs.max_batch_images,
         "input": [
             {"name": IMAGE, "data_type": "TYPE_STRING", "format": "FORMAT_NONE", "dims": [1], "optional": True},
             {"name": PIXELS, "data_type": "TYPE_UINT8", "format": "FORMAT_NHWC", "dims": [-1, -1, 3],
@@ -650,19 +650,19 @@ def model_config(settings: Settings, version: str, models: dict[str, str] | None
         "output": [{"name": name, "data_type": _config_type(datatype), "dims": [-1 if name in TOP_K_OUTPUTS else 1]}
                    for name, datatype in OUTPUT_DATATYPES.items()],
         "dynamic_batching": {
-            "preferred_batch_size": [settings.primary_max_batch_size],
-            "max_queue_delay_microseconds": int(settings.primary_queue_delay_ms * 1000),
+            "preferred_batch_size": [settings.primary.max_batch_size],
+            "max_queue_delay_microseconds": int(settings.primary.queue_delay_ms * 1000),
             "priority_levels": 3,
             "default_priority_level": 2,
             "default_queue_policy": {
                 "timeout_action": "REJECT",
-                "default_timeout_microseconds": int(settings.default_deadline_ms * 1000),
+                "default_timeout_microseconds": int(settings.deadlines.default_deadline_ms * 1000),
                 "allow_timeout_override": True,
             },
         },
         "parameters": {
-            "max_deadline_ms": {"string_value": str(settings.max_deadline_ms)},
-            "max_body_bytes": {"string_value": str(settings.max_body_bytes)},
+            "max_deadline_ms": {"string_value": str(settings.deadlines.max_deadline_ms)},
+            "max_body_bytes": {"string_value": str(settings.inputs.max_body_bytes)},
             **{f"{role}_model": {"string_value": tag} for role, tag in (models or {}).items()},
         },
     }
@@ -894,7 +894,7 @@ def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -
             priority = http.parse_priority(request)
             pipeline = backend.pipeline
             pipeline.check_capacity(deadline, priority)  # sheds (429) before the body is read
-            limit = settings.max_batch_images * (settings.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
+            limit = settings.inputs.max_batch_images * (settings.inputs.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
             body = await read_infer_body(request, limit, deadline)  # /classify_batch's cap
             parsed = await _parse_within(body, request.headers.get(HEADER_LENGTH), limits, deadline)
             del body  # the images hold what is needed of it

@@ -51,7 +51,7 @@ from starlette.responses import JSONResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from rampart.api.arrival import ARRIVAL_KEY
-from rampart.config import Settings, get_settings
+from rampart.config import ConnectionSettings, Settings, get_settings
 from rampart.telemetry import metrics
 from rampart.telemetry.accesslog import log_request
 from rampart.errors import HeadersTooLarge
@@ -88,9 +88,9 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     max_head_bytes = MAX_HEAD_BYTES
     #: Seconds from a head's first byte (or a fresh connection) to its end; set by ``limit_request_heads``.
-    head_timeout_s = Settings.model_fields["request_head_timeout_ms"].default / 1000
+    head_timeout_s = ConnectionSettings.model_fields["request_head_timeout_ms"].default / 1000
     #: Seconds an idle keep-alive connection is kept; replaces uvicorn's ``timeout_keep_alive``.
-    keep_alive_timeout_s = Settings.model_fields["keep_alive_timeout_s"].default
+    keep_alive_timeout_s = ConnectionSettings.model_fields["keep_alive_timeout_s"].default
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -190,8 +190,8 @@ def limit_request_heads(settings: Settings | None = None) -> None:
     from uvicorn import config
 
     settings = settings or get_settings()
-    HeadLimitedProtocol.head_timeout_s = settings.request_head_timeout_ms / 1000
-    HeadLimitedProtocol.keep_alive_timeout_s = settings.keep_alive_timeout_s
+    HeadLimitedProtocol.head_timeout_s = settings.connections.request_head_timeout_ms / 1000
+    HeadLimitedProtocol.keep_alive_timeout_s = settings.connections.keep_alive_timeout_s
 
     target = f"{__name__}:{HeadLimitedProtocol.__name__}"
     config.HTTP_PROTOCOLS["auto"] = target

@@ -71,22 +71,22 @@ class Deadline:
     def sliced(cls, budget_ms: float, arrival: "Arrival", settings: "Settings", loop_lag_ms: float = 0.0) -> "Deadline":
         """The deadline of a request that arrived at ``arrival`` with ``budget_ms`` (ms, already validated).
 
-        Its margin is ``settings.answer_margin_ms`` + the lag reserve, its fallback reserve
-        ``settings.fallback_reserve_ms``. The lag reserve is ``loop_lag_ms`` (the event loop's
+        Its margin is ``settings.deadlines.answer_margin_ms`` + the lag reserve, its fallback reserve
+        ``settings.deadlines.fallback_reserve_ms``. The lag reserve is ``loop_lag_ms`` (the event loop's
         recent lag), but never more than the budget's excess over ``settings.min_deadline_ms``:
         every deadline the server accepts keeps at least ``min_service_ms`` for the work, so a
         lagging loop (a busy neighbour on the host) cannot turn a deadline above the minimum
         into a 429 or a ``deadline_exceeded`` before any work was tried; such an answer may
         leave up to the lag late instead. With ``settings.honour_deadlines`` false (an
-        experiment's switch, docs/benchmarks.md, "Ablation") the budget is ``settings.max_deadline_ms``
+        experiment's switch, docs/benchmarks.md, "Ablation") the budget is ``settings.deadlines.max_deadline_ms``
         whatever the client asked for.
         """
         if not settings.honour_deadlines:
-            budget_ms = settings.max_deadline_ms
+            budget_ms = settings.deadlines.max_deadline_ms
         lag_reserve_ms = min(loop_lag_ms, max(budget_ms - settings.min_deadline_ms, 0.0))
         return cls(budget_ms, arrival.monotonic, arrival.wall, arrival,
-                   margin_ms=settings.answer_margin_ms + lag_reserve_ms,
-                   fallback_reserve_ms=settings.fallback_reserve_ms)
+                   margin_ms=settings.deadlines.answer_margin_ms + lag_reserve_ms,
+                   fallback_reserve_ms=settings.deadlines.fallback_reserve_ms)
 
     def share_ms(self, share: Share = Share.ALL) -> float:
         """Milliseconds from the arrival to the end of ``share``: ``budget_ms`` less the margin (never below 0),

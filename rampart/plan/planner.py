@@ -128,13 +128,13 @@ def plan(measured: dict, peak_rps: float, p99_ms: float, deadline_ms: float, deg
     c_p = max(measured["primary_capacity_rps"], 0.1)
     total = max(measured["overload"]["goodput_rps"], c_p)
     reserve = formulas.fallback_reserve_ms(measured["overload"]["fallback_inference_p99_ms"], deadline_ms,
-                                           settings.fallback_reserve_ms)
+                                           settings.deadlines.fallback_reserve_ms)
     delay = formulas.queue_delay_ms(p99_ms, max(measured["service_ms"] or 1.0, 1.0), deadline_ms, reserve,
-                                    settings.answer_margin_ms)
+                                    settings.deadlines.answer_margin_ms)
     count = formulas.replicas(peak_rps, knee_rps, c_p, degraded_share)
     per_replica = peak_rps / count
     workers = formulas.api_workers(measured["cpu_ms_per_request"].get("api", 0.0), per_replica,
-                                   most=min(settings.primary_max_batch_size, settings.fallback_max_batch_size, 4))
+                                   most=min(settings.primary.max_batch_size, settings.fallback.max_batch_size, 4))
     least, most = formulas.keda_bounds(count, peak_rps, knee_rps)
     memory = formulas.memory_request_bytes(max(measured["rss_bytes"], 1))
     cpu = formulas.cpu_request_cores(measured["cpu_ms_per_request"]["total"], per_replica)
@@ -146,9 +146,9 @@ def plan(measured: dict, peak_rps: float, p99_ms: float, deadline_ms: float, deg
             "RAMPART_FALLBACK_QUEUE_DELAY_MS": delay,
             "RAMPART_API_WORKERS": workers,
         },
-        "queue_places": {"primary": formulas.queue_places(c_p, delay, settings.primary_max_batch_size),
+        "queue_places": {"primary": formulas.queue_places(c_p, delay, settings.primary.max_batch_size),
                          "fallback": formulas.queue_places(max(total - c_p, 0.1), delay,
-                                                           settings.fallback_max_batch_size)},
+                                                           settings.fallback.max_batch_size)},
         "fleet": {"replicas": count, "headroom": formulas.HEADROOM, "rps_per_replica": round(per_replica, 2),
                   "keda_min": least, "keda_max": most,
                   "queue_wait_threshold_s": round(0.5 * delay / 1000, 3),
@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         print("--url and --pid go together", file=sys.stderr)
         return 2
     settings = Settings.from_env()
-    deadline_ms = args.deadline_ms or settings.default_deadline_ms
+    deadline_ms = args.deadline_ms or settings.deadlines.default_deadline_ms
     args.out.mkdir(parents=True, exist_ok=True)
     service = None
     if args.url is None:

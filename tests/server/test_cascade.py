@@ -47,10 +47,10 @@ def classify(client: httpx.Client, name: str) -> tuple[dict, float]:
 def test_the_photos_sit_on_either_side_of_the_calibrated_threshold():
     recommended = CALIBRATION["recommendation"]
     settings = Settings()
-    assert (settings.cascade_confidence, settings.cascade_threshold) == (recommended["kind"], recommended["threshold"])
+    assert (settings.routing.confidence, settings.routing.threshold) == (recommended["kind"], recommended["threshold"])
     msp = {record["name"]: record["msp"] for record in CALIBRATION["records"]}
     # Far from the threshold, so encoding the photo as the test does (JPEG, quality 75) cannot move it across.
-    assert msp[f"{SURE}/full"] - 0.2 >= settings.cascade_threshold >= msp[f"{UNSURE}/full"] + 0.2
+    assert msp[f"{SURE}/full"] - 0.2 >= settings.routing.threshold >= msp[f"{UNSURE}/full"] + 0.2
 
 
 def test_a_sure_photo_comes_from_the_fallback_and_an_unsure_one_from_the_primary(cascade):

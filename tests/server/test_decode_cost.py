@@ -14,7 +14,7 @@ from tests.support.bombs import BOMBS, SETTINGS
 def test_bombs_get_4xx_fast_and_ordinary_uploads_right_after_get_200(server):
     """All bombs at once (far more than the decode workers), then ordinary uploads, one after another: each
     answered 200 with labels within its 1 s deadline (plus slack), and every decode worker alive."""
-    timeout_ms = SETTINGS.decode_timeout_ms
+    timeout_ms = SETTINGS.decoding.timeout_ms
 
     async def timed(client: httpx.AsyncClient, body: bytes, deadline_ms: int) -> tuple[httpx.Response, float]:
         start = time.perf_counter()
@@ -36,4 +36,4 @@ def test_bombs_get_4xx_fast_and_ordinary_uploads_right_after_get_200(server):
         assert response.status_code == 200 and response.json()["labels"], (name, response.text)
         assert elapsed_ms < 1000 + SLACK_MS, (name, elapsed_ms)
     workers = stats["decode_workers"]
-    assert workers["mode"] == "processes" and workers["alive"] == workers["configured"] == SETTINGS.decode_workers
+    assert workers["mode"] == "processes" and workers["alive"] == workers["configured"] == SETTINGS.decoding.workers

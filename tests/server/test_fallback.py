@@ -197,7 +197,7 @@ def test_fault_drill_cache_static_answer_breaker_open_and_close(drill):
 def test_a_hung_decode_is_killed_its_worker_replaced_and_the_next_upload_answered(drill):
     """The decode-hang fault: 422 decode_timeout at decode_timeout_ms, then a fresh worker answers the next upload."""
     server, faults = drill
-    timeout_ms = Settings().decode_timeout_ms
+    timeout_ms = Settings().decoding.timeout_ms
     chelsea = encode(photo("chelsea"))
     with httpx.Client(base_url=server.url, timeout=30, headers={"X-Deadline-Ms": str(4 * timeout_ms)}) as client:
         replaced = client.get("/stats").json()["decode_workers"]["replaced"]

@@ -18,7 +18,7 @@ from tests.support import encode, photo
 
 TRICKLERS = 300
 TRICKLE_EVERY_S = 0.5
-GRACE_S = Settings().body_grace_ms / 1000
+GRACE_S = Settings().connections.body_grace_ms / 1000
 MARGIN_S = 2.0
 
 

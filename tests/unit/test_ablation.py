@@ -23,7 +23,7 @@ import pytest
 
 from bench.ablation import ARMS, outcome_summary
 from bench.loadgen import Sample
-from rampart.config import Settings
+from rampart.config import ExperimentSettings, Settings
 from rampart.overload.admission import AdmissionGate, Shed, ThroughputMeter
 from rampart.overload.deadline import Share
 from tests.unit.standins import CAT, fill
@@ -92,7 +92,7 @@ def test_a_bounded_queue_sheds_when_full_but_not_on_prediction(make_rig):
 
 
 def test_full_admission_sheds_on_prediction_and_primary_only_answers_429(make_rig):
-    rig = make_rig(routing="primary-only", primary_throughput_ips=0.01)
+    rig = make_rig(experiments=True, routing="primary-only", primary_throughput_ips=0.01)
     ahead = rig.pipeline.primary.gate.reserve(False, 60.0)
     response = rig.client.post("/classify", content=CAT)
     ahead.cancel()
@@ -101,7 +101,7 @@ def test_full_admission_sheds_on_prediction_and_primary_only_answers_429(make_ri
 
 @pytest.mark.parametrize("honour", [True, False])
 def test_deadlines_reach_the_runner_and_stop_the_pipeline_only_when_honoured(make_rig, honour):
-    rig = make_rig(routing="primary-only", honour_deadlines=honour)
+    rig = make_rig(experiments=True, routing="primary-only", honour_deadlines=honour)
     rig.primary.delay_s = 0.6  # slower than the 300 ms deadline
     sent = time.time()
     body = rig.client.post("/classify", content=CAT, headers={"X-Deadline-Ms": "300"}).json()
@@ -114,7 +114,7 @@ def test_deadlines_reach_the_runner_and_stop_the_pipeline_only_when_honoured(mak
 
 
 def test_primary_only_never_asks_the_fallback_and_gives_the_primary_the_whole_deadline(make_rig):
-    rig = make_rig(routing="primary-only", cache_size=0)  # no cached answer for the failing call
+    rig = make_rig(experiments=True, routing="primary-only", cache_size=0)  # no cached answer for the failing call
     assert rig.pipeline.primary.share is Share.ALL and make_rig().pipeline.primary.share is Share.PRIMARY
     answered = rig.client.post("/classify", content=CAT).json()
     rig.primary.mode = "error"
@@ -129,12 +129,37 @@ def test_primary_only_never_asks_the_fallback_and_gives_the_primary_the_whole_de
 
 
 def test_the_switches_are_settings_with_checked_values():
-    settings = Settings.from_env({"RAMPART_ADMISSION": "queue-bound", "RAMPART_HONOUR_DEADLINES": "false",
-                                  "RAMPART_ROUTING": "primary-only"})
-    assert (settings.admission, settings.honour_deadlines, settings.routing) == ("queue-bound", False, "primary-only")
-    assert Settings().admission == "full" and Settings().honour_deadlines is True
+    settings = Settings.from_env({"RAMPART_EXPERIMENTS": "true", "RAMPART_ADMISSION": "queue-bound",
+                                  "RAMPART_HONOUR_DEADLINES": "false", "RAMPART_ROUTING": "primary-only"})
+    assert (settings.admission_mode, settings.honour_deadlines, settings.routing.mode) == ("queue-bound", False,
+                                                                                          "primary-only")
+    assert settings.experiments == ExperimentSettings(enabled=True, admission="queue-bound", honour_deadlines=False)
+    assert Settings().admission_mode == "full" and Settings().honour_deadlines is True
     with pytest.raises(pydantic.ValidationError):
-        Settings(admission="none")
+        Settings(experiments=True, admission="none")
+
+
+@pytest.mark.parametrize("variable, value", [("RAMPART_ADMISSION", "queue-bound"), ("RAMPART_ADMISSION", "off"),
+                                             ("RAMPART_HONOUR_DEADLINES", "false"), ("RAMPART_ROUTING", "primary-only")])
+def test_an_experiment_switch_without_the_flag_refuses_to_start_naming_it(variable, value):
+    with pytest.raises(pydantic.ValidationError, match="RAMPART_EXPERIMENTS=true") as refused:
+        Settings.from_env({variable: value})
+    assert f"{variable}={value}" in str(refused.value)
+    with pytest.raises(pydantic.ValidationError, match="RAMPART_EXPERIMENTS=true"):
+        Settings.from_env({variable: value, "RAMPART_EXPERIMENTS": "false"})
+
+
+def test_production_values_of_the_switches_need_no_flag():
+    settings = Settings.from_env({"RAMPART_ADMISSION": "full", "RAMPART_HONOUR_DEADLINES": "true",
+                                  "RAMPART_ROUTING": "cascade"})
+    assert (settings.admission_mode, settings.honour_deadlines, settings.routing.mode) == ("full", True, "cascade")
+
+
+def test_every_arm_that_sets_a_switch_sets_the_flag():
+    for arm in ARMS.values():
+        if {"RAMPART_ADMISSION", "RAMPART_HONOUR_DEADLINES"} & set(arm.env) or arm.env.get("RAMPART_ROUTING") == "primary-only":
+            assert arm.env["RAMPART_EXPERIMENTS"] == "true", arm.key
+        Settings.from_env(arm.env)  # every arm starts
 
 
 def test_outcome_summary_counts_availability_timeouts_and_sheds():

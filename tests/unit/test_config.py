@@ -10,7 +10,7 @@ from rampart.config import Settings
 
 def test_settings_from_env_validates_and_names_bad_values():
     settings = Settings.from_env({"RAMPART_MAX_PIXELS": "1000", "RAMPART_ALPHA_BACKGROUND": "0,0,0"})
-    assert settings.max_pixels == 1000 and settings.alpha_background == (0, 0, 0)
+    assert settings.inputs.max_pixels == 1000 and settings.inputs.alpha_background == (0, 0, 0)
     with pytest.raises(pydantic.ValidationError, match="max_pixels"):
         Settings.from_env({"RAMPART_MAX_PIXELS": "-1"})
     with pytest.raises(pydantic.ValidationError):
@@ -27,3 +27,58 @@ def test_default_cpu_threads_rule():
     assert (default_cpu_threads("primary", 16, gpu=False), default_cpu_threads("fallback", 16, gpu=False)) == (11, 4)
     assert (default_cpu_threads("primary", 16, gpu=True), default_cpu_threads("fallback", 16, gpu=True)) == (1, 8)
     assert default_cpu_threads("primary", 1, gpu=False) == default_cpu_threads("fallback", 1, gpu=False) == 1
+
+
+def test_every_variable_sets_its_nested_setting():
+    """Each flat name's variable reaches the nested path ``FLAT_NAMES`` gives it (its default, written as text)."""
+    from rampart.config import FLAT_NAMES, Settings
+
+    defaults = Settings()
+    for name in FLAT_NAMES:
+        value = defaults.flat(name)
+        text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+        assert Settings.from_env({"RAMPART_" + name.upper(): text}).flat(name) == value, name
+    settings = Settings.from_env({"RAMPART_PRIMARY_MAX_BATCH_SIZE": "7", "RAMPART_FALLBACK_RESERVE_MS": "100",
+                                  "RAMPART_THROUGHPUT_TAU_MS": "900", "RAMPART_ROUTING": "cascade",
+                                  "RAMPART_CASCADE_THRESHOLD": "0.5", "RAMPART_FAULT_FILE": "/tmp/f.json",
+                                  "RAMPART_NOT_A_SETTING": "ignored"})
+    assert (settings.primary.max_batch_size, settings.fallback.max_batch_size) == (7, 32)
+    assert settings.deadlines.fallback_reserve_ms == 100 and settings.admission.throughput_tau_ms == 900
+    assert (settings.routing.mode, settings.routing.threshold, settings.faults.file) == ("cascade", 0.5, "/tmp/f.json")
+
+
+def test_flat_and_nested_keywords_build_the_same_settings():
+    flat = Settings(primary_max_batch_size=8, fallback_nice=12, decode_oversample=2, breaker_probes=5, api_workers=2)
+    nested = Settings(primary={"max_batch_size": 8}, fallback={"nice": 12}, decoding={"oversample": 2},
+                      breaker={"probes": 5}, api_workers=2)
+    assert flat == nested and flat.primary.model == "rampart-primary:latest" and flat.fallback.max_batch_size == 32
+    assert Settings(**{**flat.model_dump(), "decode_timeout_ms": 1}).decoding.timeout_ms == 1
+    assert Settings(**{**flat.model_dump(), "decode_timeout_ms": 1}).decoding.oversample == 2
+    with pytest.raises(pydantic.ValidationError):
+        Settings(not_a_setting=1)
+    with pytest.raises(pydantic.ValidationError):
+        Settings(primary_max_batch_size=1)  # at least 2, as before
+    with pytest.raises(pydantic.ValidationError):
+        Settings(primary_engine="tensorrt")
+
+
+def test_the_documented_table_is_the_generated_one():
+    """docs/configuration.md embeds ``settings_table()`` unchanged (regenerate: ``python -m rampart.config --table``)."""
+    import pathlib
+
+    from rampart.config import settings_table
+
+    doc = (pathlib.Path(__file__).parents[2] / "docs" / "configuration.md").read_text(encoding="utf-8")
+    begin = doc.index("-->\n", doc.index("<!-- settings table:")) + len("-->\n")
+    assert doc[begin:doc.index("<!-- end of settings table -->")] == settings_table()
+
+
+def test_the_table_command_prints_the_table():
+    import subprocess
+    import sys
+
+    from rampart.config import FLAT_NAMES, settings_table
+
+    printed = subprocess.run([sys.executable, "-m", "rampart.config", "--table"], capture_output=True, text=True,
+                             check=True).stdout
+    assert printed == settings_table() and len(printed.splitlines()) == len(FLAT_NAMES) + 2

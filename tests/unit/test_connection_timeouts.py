@@ -167,7 +167,7 @@ def test_limit_request_heads_takes_both_timeouts_from_the_settings():
     from rampart.config import Settings
 
     before = HeadLimitedProtocol.head_timeout_s, HeadLimitedProtocol.keep_alive_timeout_s
-    assert (Settings().request_head_timeout_ms, Settings().keep_alive_timeout_s) == (10_000, 5.0)
+    assert (Settings().connections.request_head_timeout_ms, Settings().connections.keep_alive_timeout_s) == (10_000, 5.0)
     settings = Settings.from_env({"RAMPART_REQUEST_HEAD_TIMEOUT_MS": "1500", "RAMPART_KEEP_ALIVE_TIMEOUT_S": "2.5"})
     try:
         limit_request_heads(settings)

@@ -55,10 +55,10 @@ def test_real_photos_cost_one_frame_and_few_chunks(fmt):
 @pytest.mark.parametrize("fmt", CHUNK_FORMATS)
 def test_chunk_walk_stops_at_the_limit_not_at_the_end(fmt):
     """400,000 empty chunks: refused after max_chunks steps, a fraction of what Pillow's own header parse costs."""
-    data = many_chunks(fmt, 4 * SETTINGS.max_chunks)
+    data = many_chunks(fmt, 4 * SETTINGS.inputs.max_chunks)
     start = time.perf_counter()
     with pytest.raises(errors.DecodeCostTooHigh):
-        check_decode_cost(data, fmt, LIMITS.max_frames, max_chunks=SETTINGS.max_chunks)
+        check_decode_cost(data, fmt, LIMITS.max_frames, max_chunks=SETTINGS.inputs.max_chunks)
     capped_s = time.perf_counter() - start
     start = time.perf_counter()
     try:

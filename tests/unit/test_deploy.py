@@ -22,7 +22,7 @@ import subprocess
 import pytest
 import yaml
 
-from rampart.config import ENV_PREFIX, Settings
+from rampart.config import ENV_PREFIX, FLAT_NAMES, Settings
 from tests.support import ROOT
 from tests.support.deploy import K8S, adapter_rules, container, deployment, load_all, one, scaled_object, validate
 
@@ -103,7 +103,7 @@ def test_image_matches_bentofile():
 
 
 def test_env_names_are_settings_and_valid():
-    settings_env = {ENV_PREFIX + name.upper() for name in Settings.model_fields}
+    settings_env = {ENV_PREFIX + name.upper() for name in FLAT_NAMES}
     for path in [K8S / "base" / "deployment.yaml", *K8S.glob("overlays/*/patch-deployment.yaml")]:
         names = set(env(one(load_all(path), "Deployment")))
         assert names <= settings_env, f"{path.name}: not a setting: {names - settings_env}"
@@ -113,14 +113,14 @@ def test_env_names_are_settings_and_valid():
 def test_grace_period_outlasts_the_longest_deadline():
     spec = deployment()["spec"]["template"]["spec"]
     settings = Settings.from_env(env(deployment()))
-    assert settings.max_deadline_ms == Settings().max_deadline_ms  # the manifests keep the documented default
+    assert settings.deadlines.max_deadline_ms == Settings().deadlines.max_deadline_ms  # the manifests keep the documented default
     pre_stop = container(deployment())["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[0] == "sleep"
-    assert spec["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + settings.max_deadline_ms / 1000 + GRACE_MARGIN_S
+    assert spec["terminationGracePeriodSeconds"] >= float(pre_stop[1]) + settings.deadlines.max_deadline_ms / 1000 + GRACE_MARGIN_S
 
 
 def test_autoscaling_thresholds_come_from_the_queue_delay():
-    queue_delay_s = Settings.from_env(env(deployment())).primary_queue_delay_ms / 1000
+    queue_delay_s = Settings.from_env(env(deployment())).primary.queue_delay_ms / 1000
     keda = scaled_object()["spec"]
     triggers = {t["name"]: t for t in keda["triggers"]}
     assert {t["type"] for t in triggers.values()} == {"prometheus"}

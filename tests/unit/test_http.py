@@ -146,7 +146,7 @@ def test_a_low_priority_request_without_a_deadline_gets_the_long_low_priority_de
     settings = Settings(low_priority_deadline_ms=7000)
     low = http.parse_deadline(request({"X-Priority": "low"}), settings)
     normal = http.parse_deadline(request({}), settings)
-    assert low.budget_ms == 7000 and normal.budget_ms == settings.default_deadline_ms
+    assert low.budget_ms == 7000 and normal.budget_ms == settings.deadlines.default_deadline_ms
     assert http.parse_deadline(request({"X-Priority": "low", "X-Deadline-Ms": "500"}), settings).budget_ms == 500
 
 
