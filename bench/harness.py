@@ -317,11 +317,16 @@ class Replica(Server):
     (its log, ``run_dir/<name>.log``, is appended to): a replica of the loopback cluster (``deploy.cluster``)
     and every real server of the server tests (tests/server/conftest.py).
 
-    ``env`` is added to this process's environment. Started at once; ``wait_ready`` blocks.
+    ``env`` is added to this process's environment; ``cores`` (CPU numbers), when given, confine the
+    replica's whole process tree to them (``taskset``), as if it had a host of that many cores.
+    Started at once; ``wait_ready`` blocks.
     """
 
-    def __init__(self, name: str, run_dir: Path, env: dict[str, str] | None = None, port: int | None = None) -> None:
-        super().__init__(name, _bentoml_serve("service:Rampart"), run_dir / f"{name}.log", env,
+    def __init__(self, name: str, run_dir: Path, env: dict[str, str] | None = None, port: int | None = None,
+                 cores: list[int] | None = None) -> None:
+        serve = _bentoml_serve("service:Rampart")
+        command = serve if not cores else (lambda p: ["taskset", "-c", ",".join(map(str, cores)), *serve(p)])
+        super().__init__(name, command, run_dir / f"{name}.log", env,
                          home=run_dir / f"{name}-home", port=port, append=True)
         self.url = f"http://127.0.0.1:{self.port}"
 

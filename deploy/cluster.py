@@ -99,11 +99,14 @@ class Nginx:
 
 
 class Cluster:
-    """``replicas`` Rampart replicas and nginx on ``port``, all under ``run_dir``; ``url`` is nginx."""
+    """``replicas`` Rampart replicas and nginx on ``port``, all under ``run_dir``; ``url`` is nginx. ``cores``:
+    per replica, the CPUs its processes are confined to (replica ``i`` gets ``cores[i % len(cores)]``)."""
 
-    def __init__(self, run_dir: Path, replicas: int = 2, port: int = 8080, env: dict[str, str] | None = None) -> None:
+    def __init__(self, run_dir: Path, replicas: int = 2, port: int = 8080, env: dict[str, str] | None = None,
+                 cores: list[list[int]] | None = None) -> None:
         self.run_dir = run_dir
         self.count = replicas
+        self.cores = cores  # per replica, the CPUs it is confined to (``Replica``'s ``cores``); None: all
         self.env = {"RAMPART_CPU_PINNING": os.environ.get("RAMPART_CPU_PINNING", "off"), **(env or {})}
         self.replicas: list[Replica] = []
         self.nginx = Nginx(run_dir, port)
@@ -113,7 +116,8 @@ class Cluster:
         """Start the replicas (together), then nginx once all are ready; stops everything on failure."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         try:
-            self.replicas = [Replica(f"replica{i}", self.run_dir, self.env) for i in range(self.count)]
+            self.replicas = [Replica(f"replica{i}", self.run_dir, self.env, cores=self._cores_of(i))
+                             for i in range(self.count)]
             self.save()
             for replica in self.replicas:
                 replica.wait_ready()
@@ -125,7 +129,10 @@ class Cluster:
 
     def spawn(self, index: int) -> Replica:
         """Start (not wait for) a successor to replica ``index``; ``install`` puts it in rotation."""
-        return Replica(f"replica{index}-{time.time_ns()}", self.run_dir, self.env)
+        return Replica(f"replica{index}-{time.time_ns()}", self.run_dir, self.env, cores=self._cores_of(index))
+
+    def _cores_of(self, index: int) -> list[int] | None:
+        return None if self.cores is None else self.cores[index % len(self.cores)]
 
     def install(self, index: int, replica: Replica) -> Replica:
         """Wait for ``replica`` to be ready, then put it in place of replica ``index`` (dead or drained)
