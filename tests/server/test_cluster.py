@@ -186,7 +186,15 @@ def test_sigterm_drains_one_replica_mid_load(cluster, capacity):
     # static answer of a pipeline whose runners had gone), or shed on arrival; none was dropped.
     assert len(in_flight) == IN_FLIGHT and {status for status, _ in in_flight} <= {200, 429}, in_flight
     assert any(status == 200 for status, _ in in_flight), in_flight
-    assert all(reason != "no_model_available" for status, reason in in_flight if status == 200), in_flight
+    # A static answer (no_model_available) is honest when both models were busy or late under the overload
+    # (the replica logs "no model answered: primary_overloaded, then fallback_timeout"); one whose runners had
+    # gone would log an error instead ("..._error"). Seen in full-suite runs on the 2-core host: 1 of the 4
+    # in flight got it, with only "_overloaded"/"_timeout" lines in the draining replica's log.
+    runner_errors = [line for line in draining.log_path.read_text(errors="replace").splitlines()
+                     if "no model answered" in line and "_error" in line]
+    assert not runner_errors, (in_flight, runner_errors[-5:])
+    static = [reason for status, reason in in_flight if status == 200 and reason == "no_model_available"]
+    assert len(static) < len(in_flight) / 2, in_flight  # most in-flight requests got a model's answer
     draining.process.wait(timeout=90)
     # The draining replica answered nginx's requests after SIGTERM too (admitted before it).
     time.sleep(1.5)  # nginx flushes its access log every second
