@@ -484,9 +484,9 @@ class Pipeline:
         left of the deadline. Any failure of that decode (no decoder in time, a slow decode) keeps
         the resize; it never fails the request.
         """
-        budget_s = deadline.remaining_s() * REDECODE_SHARE_OF_LEFT
-        if (self.pool.pending >= self.pool.workers or budget_s < REDECODE_MIN_LEFT_S * REDECODE_SHARE_OF_LEFT
-                or budget_s < 2 * upload.decode_s):
+        left_s = deadline.remaining_s()
+        budget_s = left_s * REDECODE_SHARE_OF_LEFT
+        if self.pool.pending >= self.pool.workers or left_s < REDECODE_MIN_LEFT_S or budget_s < 2 * upload.decode_s:
             return
         try:
             again = await self.pool.run(prepare, upload.data, self.plan, role, high=priority_rank(priority) == HIGH,
