@@ -45,6 +45,11 @@ DEADLINE_MS = 1000
 SUCCESSOR: dict[str, object] = {}
 #: Requests sent straight to the replica just before its SIGTERM (high priority: admitted, not shed).
 IN_FLIGHT = 4
+#: Their deadline (ms): long enough that under the 2x overload on a busy 2-core host the primary's queue,
+#: or else the fallback, answers them during the drain (with 2000 ms, 1 of 4 ran out of time in both
+#: models in a full-suite run, and with a neighbour's busy loop beside the test, in the replica's log
+#: "primary_timeout, then fallback_timeout"). The drain waits for them all the same.
+IN_FLIGHT_DEADLINE_MS = 8000
 
 pytestmark = pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed (`make nginx` installs it)")
 
@@ -158,7 +163,7 @@ def test_sigterm_drains_one_replica_mid_load(cluster, capacity):
     def send_direct(client: httpx.Client) -> None:  # straight to the replica: nginx must not resend what it drops
         try:
             response = client.post(f"{draining.url}/classify", content=unique(body),
-                                   headers={"X-Priority": "high", "X-Deadline-Ms": "2000"})
+                                   headers={"X-Priority": "high", "X-Deadline-Ms": str(IN_FLIGHT_DEADLINE_MS)})
             in_flight.append((response.status_code, response.json().get("degraded_reason")))
         except (httpx.HTTPError, ValueError) as exc:  # dropped: reset, refused, or not JSON
             in_flight.append((0, f"{type(exc).__name__}: {exc}"))
@@ -170,9 +175,12 @@ def test_sigterm_drains_one_replica_mid_load(cluster, capacity):
         time.sleep(0.2)  # their bodies are in and their places taken: admitted
         signalled["at"] = time.time()
         draining.terminate()
-        SUCCESSOR["replica"] = cluster.spawn(1)
         for sender in senders:
             sender.join()
+        # The successor starts once the in-flight requests are answered: its start-up (imports, model
+        # load, warm-up) takes a core for seconds, and beside it on 2 cores they ran late and got the
+        # static answer.
+        SUCCESSOR["replica"] = cluster.spawn(1)
 
     try:
         samples = overload(cluster.url, 2 * capacity, FAULT_SECONDS, FAULT_AT_S, terminate)
@@ -186,15 +194,7 @@ def test_sigterm_drains_one_replica_mid_load(cluster, capacity):
     # static answer of a pipeline whose runners had gone), or shed on arrival; none was dropped.
     assert len(in_flight) == IN_FLIGHT and {status for status, _ in in_flight} <= {200, 429}, in_flight
     assert any(status == 200 for status, _ in in_flight), in_flight
-    # A static answer (no_model_available) is honest when both models were busy or late under the overload
-    # (the replica logs "no model answered: primary_overloaded, then fallback_timeout"); one whose runners had
-    # gone would log an error instead ("..._error"). Seen in full-suite runs on the 2-core host: 1 of the 4
-    # in flight got it, with only "_overloaded"/"_timeout" lines in the draining replica's log.
-    runner_errors = [line for line in draining.log_path.read_text(errors="replace").splitlines()
-                     if "no model answered" in line and "_error" in line]
-    assert not runner_errors, (in_flight, runner_errors[-5:])
-    static = [reason for status, reason in in_flight if status == 200 and reason == "no_model_available"]
-    assert len(static) < len(in_flight) / 2, in_flight  # most in-flight requests got a model's answer
+    assert all(reason != "no_model_available" for status, reason in in_flight if status == 200), in_flight
     draining.process.wait(timeout=90)
     # The draining replica answered nginx's requests after SIGTERM too (admitted before it).
     time.sleep(1.5)  # nginx flushes its access log every second
