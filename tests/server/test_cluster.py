@@ -46,9 +46,9 @@ SUCCESSOR: dict[str, object] = {}
 #: Requests sent straight to the replica just before its SIGTERM (high priority: admitted, not shed).
 IN_FLIGHT = 4
 #: Their deadline (ms): long enough that under the 2x overload on a busy 2-core host the primary's queue,
-#: or else the fallback, answers them during the drain (with 2000 ms, 1 of 4 ran out of time in both
-#: models in a full-suite run, and with a neighbour's busy loop beside the test, in the replica's log
-#: "primary_timeout, then fallback_timeout"). The drain waits for them all the same.
+#: or else the fallback, answers them during the drain (with 2000 ms, 1 of 4 in full-suite runs here and
+#: 3 of 4 in CI ran out of time in both models; with a neighbour's busy loop beside the test, the replica's
+#: log said "primary_timeout, then fallback_timeout"). The drain waits for them all the same.
 IN_FLIGHT_DEADLINE_MS = 8000
 
 pytestmark = pytest.mark.skipif(nginx_binary() is None, reason="nginx is not installed (`make nginx` installs it)")
