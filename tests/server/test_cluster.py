@@ -114,10 +114,15 @@ def capacity(cluster) -> float:
     return result["throughput_rps"]
 
 
-def odd_lines(cluster: Cluster) -> list[str]:
-    """nginx's log lines for answers other than 200 and 429 (with the replicas tried and their statuses)."""
+def odd_lines(cluster: Cluster, samples=()) -> list[str]:
+    """nginx's log lines for answers other than 200 and 429 (with the replicas tried and their statuses),
+    the requests of ``samples`` that got no HTTP answer (sent at, waited ms), and nginx's error log."""
+    time.sleep(1.5)  # nginx flushes its access log every second
     lines = cluster.nginx.access_log.read_text().splitlines() if cluster.nginx.access_log.exists() else []
-    return [line for line in lines if line.split()[1] not in ("200", "429")][-20:]
+    errors = cluster.nginx.run_dir / "nginx-error.log"
+    failed = [f"no answer: sent at {s.sent_s:.3f} s, after {s.latency_ms:.0f} ms" for s in samples if s.status == 0]
+    return ([line for line in lines if line.split()[1] not in ("200", "429")][-20:] + failed
+            + (errors.read_text().splitlines()[-10:] if errors.exists() else []))
 
 
 def overload(url: str, rate: float, seconds: float, at_s: float | None = None, action=None):
@@ -139,7 +144,7 @@ def test_two_replicas_behind_nginx_serve_more_under_five_times_overload(cluster,
     both = summarize(samples, OVERLOAD_SECONDS, slack_ms=SLACK_MS)
     report = {"capacity_rps": capacity, "single": single, "cluster": both}
     assert both["requests"] >= 0.8 * rate * OVERLOAD_SECONDS, report  # the load really was offered
-    assert {s.status for s in samples} <= {200, 429}, (report, odd_lines(cluster))  # a result or a shed, never a 5xx
+    assert {s.status for s in samples} <= {200, 429}, (report, odd_lines(cluster, samples))  # a result or a shed, never a 5xx
     assert both["late"] == 0, report
     assert both["goodput_rps"] >= 1.6 * single["goodput_rps"], report
     print(json.dumps(report))  # the numbers docs/deploy.md quotes (pytest -rP shows them)
@@ -189,7 +194,7 @@ def test_sigterm_drains_one_replica_mid_load(cluster, capacity):
             client.close()
     report = summarize(samples, FAULT_SECONDS, slack_ms=SLACK_MS)
     # Through nginx, every request got a result or a shed, none a 5xx or a reset.
-    assert {s.status for s in samples} <= {200, 429}, (report, odd_lines(cluster), draining.log()[-2000:])
+    assert {s.status for s in samples} <= {200, 429}, (report, odd_lines(cluster, samples), draining.log()[-2000:])
     # The requests in flight at the replica when SIGTERM came were answered by a model (not the
     # static answer of a pipeline whose runners had gone), or shed on arrival; none was dropped.
     assert len(in_flight) == IN_FLIGHT and {status for status, _ in in_flight} <= {200, 429}, in_flight
@@ -214,7 +219,7 @@ def test_sigkill_of_one_replica_mid_load(cluster, capacity):
     killed_at = FAULT_AT_S  # at the latest: the timer starts before the load's clock does
     report = summarize(samples, FAULT_SECONDS, slack_ms=SLACK_MS)
     assert victim.process.poll() is not None, "the replica is still running"
-    assert {s.status for s in samples} <= {200, 429}, (report, odd_lines(cluster))  # no 5xx, no broken connection
+    assert {s.status for s in samples} <= {200, 429}, (report, odd_lines(cluster, samples))  # no 5xx, no broken connection
     after = [s for s in samples if s.sent_s > killed_at + 0.5 and s.status == 200]
     # The survivor kept answering. Until the kill each replica had about half the cores, and its
     # throughput meter (time constant 5 s) needs longer than the 3.5 s after the kill to learn the
