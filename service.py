@@ -58,12 +58,14 @@ from rampart.api.lifecycle import mark_worker_ready
 from rampart.api.lifecycle import logger as lifecycle_log
 from rampart.api.routing import JSONRouteErrors
 from rampart.compat import apply_all
+from rampart.compat.bentoml_wire import runner_address
 from rampart.config import get_settings
 from rampart.cores import place_this_process
 from rampart.inputs.buckets import buckets_for_resolution
 from rampart.overload.looplag import LoopLagMonitor
 from rampart.coalesce import Coalescer
 from rampart.pipeline import Pipeline, ModelEndpoint, RunnerResult, decode_pool
+from rampart.runner_client import RunnerClient
 from rampart.shadow import ShadowMirror, models_busy
 from rampart.telemetry import metrics
 from rampart.telemetry.scrapes import CoalescedMetrics
@@ -94,8 +96,12 @@ def model_endpoint(tag: str, runner, max_items: int = 1,
     stored = bentoml.models.get(tag)
     meta = stored.info.metadata
     remote = getattr(runner, "to_async", None)
+    address = runner_address(remote) if remote is not None and settings.runners.transport == "lean" else None
+    lean = RunnerClient(remote, address) if address is not None else None
 
     async def send(bucket_name: str, items: list[RunnerItem]) -> list:
+        if lean is not None:
+            return await lean.call(bucket_name, items)
         if remote is not None:
             return await getattr(remote, bucket_name)(items)
         return await asyncio.to_thread(getattr(runner, bucket_name), items)
@@ -117,7 +123,9 @@ def model_endpoint(tag: str, runner, max_items: int = 1,
         labels=list(meta["labels"]),
         buckets=buckets_for_resolution(int(meta["resolution"])),
         call=call,
-        call_stats=lambda: {"coalescing": settings.runners.coalescing, **dataclasses.asdict(coalescer.stats),
+        call_stats=lambda: {"coalescing": settings.runners.coalescing, "transport": "lean" if lean else "proxy",
+                            "connections_opened": lean.pool.opened if lean else None,
+                            **dataclasses.asdict(coalescer.stats),
                             "items_per_call": coalescer.stats.items_per_call},
     )
 

@@ -32,6 +32,29 @@ BODIES = {"png_260": small_png, "phone_jpeg": phone_jpeg}
 DEADLINE_MS = 10_000.0
 
 
+def runner_calls(service) -> dict:
+    """Each model's ``runner_calls`` from the server's ``/stats`` (calls, images per call, transport), by role;
+    empty when ``/stats`` does not answer."""
+    import httpx
+
+    try:
+        stats = httpx.get(service.url.rsplit("/", 1)[0] + "/stats", timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+    found: dict = {}
+
+    def walk(node, path: str) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "runner_calls" and isinstance(value, dict):
+                    found[path] = value
+                else:
+                    walk(value, key)
+
+    walk(stats, "")
+    return found
+
+
 def ab_runs(out: Path, setting: str, arms: list[str], rounds: int, body_name: str, connections: int,
             round_s: float, warm_s: float, api_workers: int, extra_env: dict[str, str] | None = None) -> dict:
     """Every round of every arm (module doc) and the per-arm medians; see ``main`` for the arguments."""
@@ -54,11 +77,14 @@ def ab_runs(out: Path, setting: str, arms: list[str], rounds: int, body_name: st
                 service.wait_ready([body])
                 run_sync(closed_loop_round(service.url, [body], connections, warm_s, DEADLINE_MS))
                 run = measure_round(service, body, connections, round_s, DEADLINE_MS, "supervisor")
+                run["runner_calls"] = runner_calls(service)
             finally:
                 service.stop()
             runs.append({"arm": arm, "round": index, **run})
             print(json.dumps({"arm": arm, "round": index, "rps": run["throughput_rps"],
-                              "cpu_us": run["cpu_us_per_request"]}), flush=True)
+                              "cpu_us": run["cpu_us_per_request"],
+                              "items_per_call": {role: calls.get("items_per_call")
+                                                 for role, calls in run["runner_calls"].items()}}), flush=True)
     summary = {}
     for arm in arms:
         mine = [run for run in runs if run["arm"] == arm]

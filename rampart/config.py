@@ -224,6 +224,11 @@ class RunnerSettings(_Group):
     coalescing: bool = Field(True, description="images bound for one bucket of one runner share a call, what arrives "
                              "meanwhile goes in the next ([serving-cost.md](serving-cost.md)); false: one call per image")
     calls_in_flight: int = Field(1, ge=1, description="with coalescing, calls out per bucket at most")
+    transport: Literal["lean", "proxy"] = Field("lean", description="how the entry service sends runner calls: "
+                                                "`lean`, BentoML's wire format over Rampart's keep-alive HTTP/1.1 "
+                                                "client (`rampart.runner_client`); `proxy`, BentoML's dependency "
+                                                "proxy (httpx), also used wherever the runner has no socket address "
+                                                "([serving-cost.md](serving-cost.md#the-runner-transport))")
     dispatch_wake: Literal["release", "poll"] = Field("release", description="how a runner's batch dispatcher waits "
                                                       "for its batch slot while a batch computes: `release` waits for "
                                                       "the slot to be released; `poll` is BentoML's own 1 ms poll, "

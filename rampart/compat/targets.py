@@ -73,6 +73,7 @@ def source_sha256(module: str, qualname: str) -> str:
 _TRAFFIC = "bentoml._internal.server.http.traffic"
 _INSTRUMENTS = "bentoml._internal.server.http.instruments"
 _HTTPTOOLS = "uvicorn.protocols.http.httptools_impl"
+_HTTP_CLIENT = "_bentoml_impl.client.http"
 
 #: Every upstream object a patch depends on, with its source hash at the pinned versions.
 TARGETS: tuple[Target, ...] = (
@@ -122,4 +123,19 @@ TARGETS: tuple[Target, ...] = (
            "8b027723aca379722d73c79e47b4d65ea5bf8c977a6706939a00209b7ae5c912"),
     Target("uvicorn_app.serve_behind_bound", "uvicorn.config", "Config.load",
            "18b38398dc8c3478e90b9ef737d1f21a49f0303af365c2b0aaa81e0ab8f4c335"),
+    # Not patched: the runner calls' wire format, which rampart.runner_client builds and reads with these.
+    Target("bentoml_wire.RunnerWire", _HTTP_CLIENT, "HTTPClient._build_request",
+           "abae96318ffa881d41c92de4690cec554d53564cd2f07b927235606e6e0e1e53"),
+    Target("bentoml_wire.RunnerWire", _HTTP_CLIENT, "AsyncHTTPClient._call",
+           "999bf119bec512cc73cacc6259577fbb89d64d69a17430d8b87c4dca9bc38257"),
+    Target("bentoml_wire.RunnerWire", _HTTP_CLIENT, "AsyncHTTPClient._parse_response",
+           "e9009fe40990ae55e7d4f023f96cfd106361cf195a3894fde19a80e66bd15dba"),
+    Target("bentoml_wire.RunnerWire", _HTTP_CLIENT, "HTTPClient._deserialize_output",
+           "b032f9778d919a7ff3c6c2a72ae19f9da7ba33cab1133b9579141d23c3529234"),
+    Target("bentoml_wire.RunnerWire", "_bentoml_impl.client.base", "map_exception",
+           "f29ee5f4590834fb1c5e8f21a638f68453f18ad79011aac83d8fe0f5cb3116b7"),
+    Target("bentoml_wire.RunnerWire", "_bentoml_impl.serde", "PickleSerde",
+           "28260e17b791ac72def6312794591c4d3afa6748d9460f1036bc3ccd097a6c91"),
+    Target("bentoml_wire.runner_address", _HTTP_CLIENT, "HTTPClient._make_client",
+           "d452d902a704b486ff697621ea6a67aa58f34662a664278fe9d0b2446a57d6a2"),
 )
