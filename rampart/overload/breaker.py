@@ -51,6 +51,7 @@ class CircuitBreaker:
         self.clock = clock
         self._state = CLOSED
         self._outcomes: deque[tuple[float, bool]] = deque()
+        self._failures = 0  # the failures among _outcomes, kept as they come and go (no sum over the window)
         self._opened_at = 0.0
         self._probes_in_flight = 0
         self._probe_successes = 0
@@ -88,16 +89,20 @@ class CircuitBreaker:
             self._probe_successes += 1
             if self._probe_successes >= self.probes:
                 self._state = CLOSED
-                self._outcomes.clear()
+                self._forget_outcomes()
             return
         if self._state == OPEN:
             return  # a call from before the breaker opened
         self._outcomes.append((now, ok))
+        self._failures += not ok
         while self._outcomes and self._outcomes[0][0] < now - self.window_s:
-            self._outcomes.popleft()
-        failures = sum(1 for _, good in self._outcomes if not good)
-        if len(self._outcomes) >= self.min_calls and failures >= self.failure_rate * len(self._outcomes):
+            self._failures -= not self._outcomes.popleft()[1]
+        if len(self._outcomes) >= self.min_calls and self._failures >= self.failure_rate * len(self._outcomes):
             self._open(now)
+
+    def _forget_outcomes(self) -> None:
+        self._outcomes.clear()
+        self._failures = 0
 
     def cancel(self) -> None:
         """An allowed call never reached the model (it was shed): forget it."""
@@ -107,5 +112,5 @@ class CircuitBreaker:
     def _open(self, now: float) -> None:
         self._state = OPEN
         self._opened_at = now
-        self._outcomes.clear()
+        self._forget_outcomes()
         self.times_opened += 1

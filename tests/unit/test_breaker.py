@@ -3,6 +3,9 @@ only calls that reached the model."""
 
 from __future__ import annotations
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from rampart.overload.breaker import CLOSED, HALF_OPEN, OPEN, CircuitBreaker
 
 
@@ -34,3 +37,25 @@ def test_breaker_reopens_on_a_failed_probe_and_ignores_shed_calls():
     assert breaker.allow()
     breaker.record(False)
     assert breaker.state == OPEN and breaker.times_opened == 2
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 3), st.booleans()), max_size=300))
+def test_the_failure_count_is_the_windows_own_at_every_call(calls):
+    """The breaker keeps its failure count as outcomes enter and leave the window; it opens exactly when a
+    recount of the window's outcomes says it should."""
+    now = [0.0]
+    breaker = CircuitBreaker(window_s=5, min_calls=4, failure_rate=0.5, open_s=2, probes=1, clock=lambda: now[0])
+    window: list[tuple[float, bool]] = []
+    for step, ok in calls:
+        now[0] += step
+        if breaker.state != CLOSED:
+            window.clear()
+            breaker.record(ok)
+            continue
+        window = [(at, good) for at, good in window + [(now[0], ok)] if at >= now[0] - 5]
+        should_open = len(window) >= 4 and sum(not good for _, good in window) >= 0.5 * len(window)
+        breaker.record(ok)
+        assert (breaker.state == OPEN) == should_open
+        if should_open:
+            window.clear()
