@@ -321,6 +321,11 @@ class TelemetrySettings(_Group):
     trace_requests: bool = Field(False, description="OpenTelemetry spans for `/classify`, `/classify_batch` and the "
                                  "monitoring routes `/stats` and `/metrics` (off: see [Overload control]"
                                  "(overload.md#overload-control), BentoML's middlewares)")
+    # Off: BentoML's tracing middleware in a runner costs its per-call stack about as much as in the entry
+    # service, paid once per runner call (docs/serving-cost.md, "Runner calls without spans").
+    trace_runner_calls: bool = Field(False, description="OpenTelemetry spans for the runners' routes (batch calls "
+                                     "and `/stats`); also on with `TRACE_REQUESTS` ([serving-cost.md]"
+                                     "(serving-cost.md#runner-calls-without-spans))")
     stats_runner_refresh_ms: int = Field(500, ge=0, description="`/stats` shows each runner's counters from a copy in "
                                          "the API worker, asked again when it is older than this, one call in flight "
                                          "per runner (`runner_age_ms` in the body says how old); 0: asked on every "

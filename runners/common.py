@@ -41,7 +41,7 @@ from rampart.inputs.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
 from rampart.telemetry import metrics
 
 __all__ = ["RunnerItem", "RunnerResult", "BucketedRunner", "RunnerSpec", "runner_spec", "load_engine", "define_runner",
-           "dispatch_when_free", "pick_engine", "release_heap"]
+           "dispatch_when_free", "pick_engine", "release_heap", "runner_tracing_config"]
 
 check_versions()  # the runner processes run on the pinned BentoML, uvicorn and httptools, or not at all
 dispatch_when_free()  # BentoML's batcher learns to hold a lone request back after an overload: see the function
@@ -382,4 +382,14 @@ def define_runner(role: str, name: str, doc: str) -> bentoml.Service:
     cls = type(name, (BucketedRunner,), body)
     return bentoml.service(name=f"rampart_{role}", workers=1, threads=spec.concurrent_batches,
                            traffic={"timeout": spec.timeout_s},
-                           logging={"access": {"enabled": runner_access_log_enabled()}})(cls)
+                           logging={"access": {"enabled": runner_access_log_enabled()}},
+                           **runner_tracing_config(settings))(cls)
+
+
+def runner_tracing_config(settings: Settings) -> dict:
+    """BentoML service configuration for a runner's tracing: every route excluded from OpenTelemetry
+    (``excluded_urls``, regular expressions searched in the URL: each bucket's batch route and ``/stats``)
+    unless ``telemetry.trace_runner_calls`` or ``telemetry.trace_requests``; empty (BentoML's default) then."""
+    if settings.telemetry.trace_runner_calls or settings.telemetry.trace_requests:
+        return {}
+    return {"tracing": {"excluded_urls": [f"/{bucket}" for bucket in BUCKET_NAMES] + ["/stats"]}}

@@ -21,6 +21,7 @@ mounted app never runs, and BentoML's static-file mount answers its own plain-te
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Callable, Iterable
 
 from starlette.datastructures import Headers
@@ -67,9 +68,30 @@ def _template(routes: Iterable[BaseRoute], scope: Scope, prefix: str) -> tuple[s
     return path_only, False
 
 
+#: ``endpoint_label``'s answers per app, by (method, path): the routes are matched once per path, not per
+#: request. Only paths a route serves are kept, at most ``ENDPOINT_LABELS_KEPT`` per app, so random paths
+#: cannot grow it; an app's entries go with the app.
+_ENDPOINT_LABELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+ENDPOINT_LABELS_KEPT = 1024
+
+
 def endpoint_label(scope: Scope) -> str:
-    """The ``endpoint`` metric label of a request: its route's path template, else ``OTHER_ENDPOINT``."""
-    return route_template(scope) or OTHER_ENDPOINT
+    """The ``endpoint`` metric label of a request: its route's path template, else ``OTHER_ENDPOINT``.
+
+    Matched once per app, method and path (``_ENDPOINT_LABELS``; a path no route serves is matched
+    every time, and labelled ``OTHER_ENDPOINT``)."""
+    app = scope.get("app")
+    try:
+        known = _ENDPOINT_LABELS.setdefault(app, {})
+    except TypeError:  # no app, or one that takes no weak reference: match every time
+        return route_template(scope) or OTHER_ENDPOINT
+    key = (scope.get("method", ""), scope.get("path", ""))
+    label = known.get(key)
+    if label is None:
+        label = route_template(scope) or OTHER_ENDPOINT
+        if label != OTHER_ENDPOINT and len(known) < ENDPOINT_LABELS_KEPT:
+            known[key] = label
+    return label
 
 
 #: Called with (request, request_id, started perf_counter, error) for each 404/405 rewritten.

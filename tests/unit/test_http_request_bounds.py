@@ -138,6 +138,20 @@ def test_route_template_names_routes_by_template(bentoml_shaped_app, method, pat
     assert route_template(scope) == template
 
 
+def test_endpoint_labels_are_matched_once_per_path_and_random_paths_are_not_kept(bentoml_shaped_app, monkeypatch):
+    from rampart.api import routing
+
+    matched = []
+    monkeypatch.setattr(routing, "route_template", lambda scope: matched.append(scope["path"]) or
+                        route_template(scope))
+    paths = ["/v2/models/anything/infer", "/livez"] * 3 + [f"/scan/{i}" for i in range(5)] * 2
+    labels = [routing.endpoint_label({"type": "http", "method": "POST", "path": path, "root_path": "",
+                                      "app": bentoml_shaped_app}) for path in paths]
+    assert labels[:2] == ["/v2/models/{name}/infer", "/livez"] and set(labels[6:]) == {routing.OTHER_ENDPOINT}
+    assert matched.count("/livez") == 1 and matched.count("/scan/0") == 2  # a served path once, a random one each time
+    assert set(routing._ENDPOINT_LABELS[bentoml_shaped_app]) == {("POST", "/v2/models/anything/infer"), ("POST", "/livez")}
+
+
 def test_plain_404_and_405_of_every_layer_become_json(bentoml_shaped_app):
     client = TestClient(bentoml_shaped_app)
     json_error(client.get("/nope"), 404, "not_found")  # the outer router
