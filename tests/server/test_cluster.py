@@ -90,6 +90,33 @@ def test_load_balancer_rules_with_injected_answers(tmp_path):
         nginx.stop()
 
 
+def test_a_retried_request_carries_the_time_nginx_received_it(tmp_path):
+    """A replica tried after another one's late 429 gets the first try's ``X-Request-Start``, so it counts the
+    deadline from when nginx received the request, not from its own arrival."""
+    def slow_refusal(arrival):
+        time.sleep(0.3)  # a 429 given at the request's turn in the queue, after a wait
+        return 429, 1
+
+    first, second = SheddingServer(slow_refusal), SheddingServer(lambda arrival: (200, None))
+    nginx = Nginx(tmp_path, free_port())
+    nginx.configure([int(first.url.rsplit(":", 1)[1]), int(second.url.rsplit(":", 1)[1])])
+    nginx.start()
+    try:
+        for _ in range(4):  # least_conn picks either first; whenever the slow one was tried, the other follows
+            sent = time.time()
+            assert httpx.post(f"{nginx.url}/classify", content=b"image bytes", timeout=10).status_code == 200
+            tries = [a for a in first.arrivals + second.arrivals if a.at >= time.monotonic() - (time.time() - sent)]
+            assert all(a.request_start for a in tries), "nginx sent no X-Request-Start"
+            stamps = {float(a.request_start.removeprefix("t=")) for a in tries}
+            assert len(stamps) == 1, stamps  # one stamp for every try of this request
+            assert sent - 0.05 <= stamps.pop() <= sent + 0.05  # nginx's receipt, not the retry's time
+        assert first.arrivals, "the slow replica was never tried"
+    finally:
+        nginx.stop()
+        first.close()
+        second.close()
+
+
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("cluster")

@@ -22,12 +22,14 @@ PREDICTION = {
 
 @dataclass
 class Arrival:
-    """One request as the server saw it: ``at`` (monotonic s), ``request_id``, ``deadline_ms`` header, status sent."""
+    """One request as the server saw it: ``at`` (monotonic s), ``request_id``, ``deadline_ms`` header, status sent,
+    and the ``X-Request-Start`` header (``request_start``, None when absent)."""
 
     at: float
     request_id: str | None
     deadline_ms: float | None
     status: int = 0
+    request_start: str | None = None
 
 
 @dataclass
@@ -54,7 +56,8 @@ class SheddingServer:
             def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
                 self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 header = self.headers.get("X-Deadline-Ms")
-                arrival = Arrival(time.monotonic(), self.headers.get("X-Request-Id"), float(header) if header else None)
+                arrival = Arrival(time.monotonic(), self.headers.get("X-Request-Id"), float(header) if header else None,
+                                  request_start=self.headers.get("X-Request-Start"))
                 with owner.lock:
                     status, retry_after, *cause = owner.decide(arrival)  # a 429's cause: capacity unless given
                     arrival.status = status
