@@ -15,6 +15,8 @@ fails on a private import anywhere else):
   in-flight bound, which needs no httptools).
 - ``bentoml_private``: private BentoML names used as they are, patched nowhere (``debug_mode``,
   ``service_app_factory``).
+- ``bentoml_wire``: BentoML's runner-call wire format built and read with BentoML's own objects,
+  patched nowhere (``RunnerWire``, ``runner_address``), under ``rampart.runner_client``.
 - ``targets``: each patched upstream object with the SHA-256 of its source at the pinned version.
 
 Each patch is idempotent and marks what it replaced. ``apply_all()`` checks the versions
