@@ -35,24 +35,9 @@ DEADLINE_MS = 10_000.0
 def runner_calls(service) -> dict:
     """Each model's ``runner_calls`` from the server's ``/stats`` (calls, images per call, transport), by role;
     empty when ``/stats`` does not answer."""
-    import httpx
-
-    try:
-        stats = httpx.get(service.url.rsplit("/", 1)[0] + "/stats", timeout=10).json()
-    except (httpx.HTTPError, ValueError):
-        return {}
-    found: dict = {}
-
-    def walk(node, path: str) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if key == "runner_calls" and isinstance(value, dict):
-                    found[path] = value
-                else:
-                    walk(value, key)
-
-    walk(stats, "")
-    return found
+    stats = service.stats() or {}
+    return {role: stats[role]["runner_calls"] for role in ("primary", "fallback")
+            if isinstance(stats.get(role, {}).get("runner_calls"), dict)}
 
 
 def ab_runs(out: Path, setting: str, arms: list[str], rounds: int, body_name: str, connections: int,

@@ -43,7 +43,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 
 from bench.harness import Service, machine
 from bench.loadgen import Sample, closed_loop, load_bodies, open_loop, run_sync, summarize
@@ -123,13 +122,6 @@ def _stop_now(service: Service) -> None:
     service.kill_group()
 
 
-def _stats(service) -> dict | None:
-    try:
-        return httpx.get(service.url.rsplit("/", 1)[0] + "/stats", timeout=10).json()
-    except (httpx.HTTPError, ValueError):
-        return None
-
-
 def measure_capacity(out: Path, bodies: list[bytes], clients: list[int], step_s: float) -> dict:
     """The knee of a closed-loop ramp of a default Rampart (``bench.ramp.ramp``); returns the ramp."""
     service = Service("rampart", out, label="ablation-capacity")
@@ -152,7 +144,7 @@ def run_arm(arm: Arm, out: Path, bodies: list[bytes], rate: float, duration_s: f
         samples = run_sync(open_loop(service.url, bodies, rate, duration_s, deadline_ms=DEADLINE_MS, seed=seed,
                                      client_timeout_s=CLIENT_PATIENCE_S,
                                      connections=int(rate * CLIENT_PATIENCE_S) + 64))
-        stats = _stats(service)
+        stats = service.stats()
     finally:
         _stop_now(service)
     server = None

@@ -274,6 +274,13 @@ class Service(Server):
 
         self.wait_until(ready, timeout_s, 0.25, self.name)
 
+    def stats(self) -> dict | None:
+        """The service's ``GET /stats`` body, or None when it does not answer with JSON."""
+        try:
+            return httpx.get(self.url.rsplit("/", 1)[0] + "/stats", timeout=10).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+
     def stop(self) -> None:
         """Stop the service by its process group (``Server.stop_group``)."""
         self.stop_group()
