@@ -2,8 +2,7 @@
 
 BentoML's dependency proxy sends each runner call through httpx (httpx, httpcore, h11
 and anyio's socket streams): measured for the SDK at 1.5-3.1 ms of client CPU per call
-against 0.17-0.52 ms for aiohttp (``docs/bench/clients.json``), and in the entry
-worker's profile the largest single cost after the ASGI stack. ``RunnerClient`` keeps
+against 0.17-0.52 ms for aiohttp (``docs/bench/clients.json``). ``RunnerClient`` keeps
 BentoML's request and answer exactly (``rampart.compat.bentoml_wire.RunnerWire``: the
 same headers, the same pickled body, the same decoding and exceptions) and replaces only
 the transport: asyncio streams over the runner's Unix socket (or TCP address), kept
@@ -24,6 +23,8 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from typing import Any, Sequence
+
+from rampart.compat.bentoml_wire import RunnerWire
 
 __all__ = ["RunnerClient", "RunnerConnectionError", "HttpConnectionPool"]
 
@@ -146,11 +147,6 @@ class HttpConnectionPool:
         headers["connection"] = "close"  # an answer delimited by the end of the connection
         return status, headers, await reader.read()
 
-    def close(self) -> None:
-        """Close every idle connection."""
-        while self._idle:
-            self._idle.pop()[1].close()
-
 
 class RunnerClient:
     """Calls to the batchable APIs of one runner dependency, BentoML's wire format over ``HttpConnectionPool``.
@@ -162,17 +158,14 @@ class RunnerClient:
     """
 
     def __init__(self, remote, address: tuple[str, Any]) -> None:
-        from rampart.compat.bentoml_wire import RunnerWire
-
         self.remote = remote
         self.pool = HttpConnectionPool(address, timeout_s=float(getattr(remote, "timeout", 60)))
         self._wires: dict[str, RunnerWire] = {}
-        self._wire_class = RunnerWire
 
-    def wire(self, api: str):
+    def wire(self, api: str) -> RunnerWire:
         """The ``RunnerWire`` of ``api`` (made once)."""
         if api not in self._wires:
-            self._wires[api] = self._wire_class(self.remote, api)
+            self._wires[api] = RunnerWire(self.remote, api)
         return self._wires[api]
 
     async def call(self, api: str, items: Sequence[Any]) -> Any:

@@ -82,7 +82,9 @@ def endpoint_label(scope: Scope) -> str:
     every time, and labelled ``OTHER_ENDPOINT``)."""
     app = scope.get("app")
     try:
-        known = _ENDPOINT_LABELS.setdefault(app, {})
+        known = _ENDPOINT_LABELS.get(app)
+        if known is None:
+            known = _ENDPOINT_LABELS[app] = {}
     except TypeError:  # no app, or one that takes no weak reference: match every time
         return route_template(scope) or OTHER_ENDPOINT
     key = (scope.get("method", ""), scope.get("path", ""))
