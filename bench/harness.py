@@ -37,6 +37,7 @@ import psutil
 from bench.baselines import triton_pytriton
 from bench.loadgen import oip_request
 from bench.process_cpu import ROLES, ServerCpu, process_role, server_processes
+from inference.timing_cache import DIRNAME as TIMING_CACHE_DIRNAME
 
 __all__ = ["ROOT", "BIN", "SLO_MS", "START_TIMEOUT_S", "STOP_TIMEOUT_S", "Sizes", "private_bentoml_home", "free_port",
            "stop_process_group", "signal_tree", "stop_tree", "Server", "Service", "Replica", "measure_service", "scenario_parser",
@@ -88,17 +89,22 @@ def private_bentoml_home(directory: Path, store: Path | None = None) -> dict[str
     BentoML keeps its Prometheus multiprocess files in ``$BENTOML_HOME/prometheus_multiproc_dir``
     and empties it whenever a server starts, so two servers under one home erase each
     other's metrics. ``directory/models`` links to ``store`` (default: the real store), by its absolute
-    path; a link left there to another store is replaced.
+    path; a link left there to another store is replaced. ``directory/rampart-timings`` links to the real
+    home's, so every server shares the runners' timing cache (``inference.timing_cache``) as a restarted
+    replica on one host would.
     """
     real_home = Path(os.environ.get("BENTOML_HOME", Path.home() / "bentoml"))
     directory = directory.resolve()
     directory.mkdir(parents=True, exist_ok=True)
     models = directory / "models"
     target = (store or real_home / "models").resolve()  # a relative target would resolve from the link's folder
-    if models.is_symlink() and models.resolve() != target:
-        models.unlink()
-    if not models.is_symlink():
-        models.symlink_to(target, target_is_directory=True)
+    timings = (real_home / TIMING_CACHE_DIRNAME).resolve()
+    timings.mkdir(parents=True, exist_ok=True)
+    for link, linked in ((models, target), (directory / TIMING_CACHE_DIRNAME, timings)):
+        if link.is_symlink() and link.resolve() != linked:
+            link.unlink()
+        if not link.is_symlink():
+            link.symlink_to(linked, target_is_directory=True)
     return {"BENTOML_HOME": str(directory)}
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["ENGINE_MODES", "EngineChoice", "available_engines", "best_size", "candidate_sizes", "choose_engine",
+__all__ = ["CHILD_TIMED_RUNS", "ENGINE_MODES", "IN_PROCESS_TIMED_RUNS", "EngineChoice", "available_engines", "best_size", "candidate_sizes", "choose_engine",
            "measure_in_child", "time_batch_sizes", "time_engines", "warm_up_sizes"]
 
 logger = logging.getLogger("rampart.engines")
@@ -41,6 +41,10 @@ logger.setLevel(logging.INFO)  # BentoML's server logging passes only WARNING an
 ENGINE_MODES = ("auto", "torch", "onnx")
 #: Batch sizes within this fraction of the fewest ms per image count as equally fast (``best_size``).
 SIZE_TOLERANCE = 0.10
+#: Timed runs per batch size (after one untimed run) when a runner times its own engine in process
+#: (``time_batch_sizes``), and when the primary's child times both engines (``measure_in_child``).
+IN_PROCESS_TIMED_RUNS = 2
+CHILD_TIMED_RUNS = 3
 #: Longest a child process may take to load and time one engine (s); past it that engine is not chosen.
 MEASURE_TIMEOUT_S = 240.0
 
@@ -85,7 +89,7 @@ def time_engines(predicts: dict[str, Callable[[np.ndarray], np.ndarray]], shape:
 
 
 def time_batch_sizes(predict: Callable[[np.ndarray], np.ndarray], shape: tuple[int, int, int],
-                     sizes: list[int], runs: int = 2) -> dict[int, float]:
+                     sizes: list[int], runs: int = IN_PROCESS_TIMED_RUNS) -> dict[int, float]:
     """``time_engines`` of one engine: ms per image by batch size."""
     return time_engines({"engine": predict}, shape, sizes, runs)["engine"]
 
@@ -180,7 +184,7 @@ def choose_engine(mode: str, available: tuple[str, ...], gpu: bool,
 
 def measure_in_child(model_path: str, metadata: dict, engines: tuple[str, ...], threads: int,
                      shape: tuple[int, int, int], sizes: list[int], memory_fraction: float = 0.9,
-                     runs: int = 3, timeout_s: float = MEASURE_TIMEOUT_S) -> dict[str, dict[int, float]]:
+                     runs: int = CHILD_TIMED_RUNS, timeout_s: float = MEASURE_TIMEOUT_S) -> dict[str, dict[int, float]]:
     """``time_engines`` of ``engines`` on the stored model at ``model_path``, in one child process.
 
     The child (``python -m inference.engine_choice``) inherits this process's CPU

@@ -234,6 +234,10 @@ class RunnerSettings(_Group):
                                                       "the slot to be released; `poll` is BentoML's own 1 ms poll, "
                                                       "kept for the A/B ([serving-cost.md](serving-cost.md#the-batch-"
                                                       "dispatchers-1-ms-poll))")
+    timing_cache_dir: str = Field("", description="where a runner keeps its batch-size timings, so a restart on "
+                                  "the same host with the same model, engine, threads and CPU skips measuring them "
+                                  "(its warm-up still runs); empty: `$BENTOML_HOME/rampart-timings`; `off`: measure "
+                                  "at every start ([engines.md](engines.md#timing-cache))")
     access_log: bool = Field(False, description="BentoML's access line for every runner call (off: one log line per "
                              "request; see [Observability](observability.md), Logs)")
 

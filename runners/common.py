@@ -25,17 +25,18 @@ import numpy as np
 from pydantic import Field
 
 
-from inference.engine_choice import (EngineChoice, available_engines, best_size, candidate_sizes, choose_engine,
-                                     measure_in_child, time_batch_sizes, warm_up_sizes)
+from inference.engine_choice import (CHILD_TIMED_RUNS, IN_PROCESS_TIMED_RUNS, EngineChoice, available_engines, best_size,
+                                     candidate_sizes, choose_engine, measure_in_child, time_batch_sizes, warm_up_sizes)
 from inference.engine_choice import logger as engine_log
 from inference.stored import load_engine
+from inference.timing_cache import TimingCache, TimingKey
 from rampart.api.lifecycle import RUNNER_EXIT_MARGIN_S, intercept_exit_signals, wait_for_entry_workers
 from rampart.api.lifecycle import logger as lifecycle_log
 from rampart.compat import check_versions
 from rampart.compat.bentoml_batching import dispatch_when_free, wake_on_release
 from rampart.compat.bentoml_private import debug_mode
 from rampart.config import Settings, default_cpu_threads, get_settings
-from rampart.cores import place_this_process, usable_cores
+from rampart.cores import cpu_quota_cores, place_this_process, usable_cores
 from rampart.faults import FaultInjector, FaultSpec
 from rampart.inputs.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
 from rampart.telemetry import metrics
@@ -83,6 +84,9 @@ class BucketedRunner:
     buckets: dict[str, Bucket]
     faults: FaultInjector
     max_batch_size: int
+    engine_choice = EngineChoice("", "auto", "not loaded yet")
+    model_tag = ""
+    timings_source = "measured"
 
     def setup(self, role: str, resolution: int, faults: FaultInjector, max_batch_size: int, nice: int = 0,
               max_deadline_ms: int = 60_000) -> None:
@@ -107,16 +111,22 @@ class BucketedRunner:
         self.compute_batch_size = max_batch_size
         self.warmed_sizes: list[int] = []
         self.size_timings: dict[int, float] = {}
+        self.timings_source = "measured"
+        self.model_tag = ""
         self.engine_choice = EngineChoice("", "auto", "not loaded yet")
         self._lock = threading.Lock()
         self._ready = False
 
-    def warm_up(self, timings: dict[int, float] | None = None) -> None:
+    def warm_up(self, timings: dict[int, float] | None = None, cache: TimingCache | None = None,
+                threads: int = 0) -> None:
         """Find the compute batch size, warm every bucket at the sizes that will be computed, give back memory.
 
         ``timings`` (ms per image by batch size, ``inference.engine_choice.time_batch_sizes``):
         when None, every size of ``candidate_sizes(max_batch_size)`` is timed here on the
-        square bucket (one untimed run, best of two). ``compute_batch_size`` is the size with
+        square bucket (one untimed run, best of ``IN_PROCESS_TIMED_RUNS``), or read from ``cache``
+        (``inference.timing_cache``; ``threads``: the engine's intra-op threads, part of the key)
+        when an earlier start on this host timed the same thing; ``timings_source`` says which
+        ("measured" or "cache"). ``compute_batch_size`` is the size with
         the most images per second (the smallest within 10% of it: ``best_size``), and
         ``run_bucket`` computes larger adaptive batches in chunks of it, so only ``warm_up_sizes(compute_batch_size)`` are then run on every
         bucket: the first real request never pays for kernel selection or allocation, and no
@@ -130,7 +140,16 @@ class BucketedRunner:
         started = time.perf_counter()
         square = self.buckets["square"].shape
         if timings is None:
-            timings = time_batch_sizes(self.engine.predict, square, candidate_sizes(self.max_batch_size))
+            name, sizes = self.engine_choice.engine or "engine", candidate_sizes(self.max_batch_size)
+            def measure() -> dict[str, dict[int, float]]:
+                return {name: time_batch_sizes(self.engine.predict, square, sizes, IN_PROCESS_TIMED_RUNS)}
+
+            if cache is None:
+                timings = measure()[name]
+            else:
+                key = timing_key(self.model_tag, (name,), threads, square, sizes, IN_PROCESS_TIMED_RUNS)
+                timings = cache.timings(key, measure)[name]
+                self.timings_source = cache.source
         self.size_timings = timings
         self.compute_batch_size = best_size(timings)
         self.warmup_ms_per_image = timings[self.compute_batch_size]
@@ -149,7 +168,7 @@ class BucketedRunner:
     @bentoml.api(route="/stats")
     async def stats(self) -> dict:
         """Counters of this runner: ``warmup_ms_per_image`` (ms), ``warmup_s`` (duration of ``warm_up``, s),
-        ``compute_batch_size``, ``warmed_batch_sizes``, ``ttl_dropped`` and ``oom_splits`` (counts),
+        ``timings_source`` ("measured" at this start, or "cache": ``inference.timing_cache``), ``compute_batch_size``, ``warmed_batch_sizes``, ``ttl_dropped`` and ``oom_splits`` (counts),
         ``cores``: the CPU ids this runner may run on (``rampart.cores``), and ``engine``: the engine it
         computes on and why (``inference.engine_choice.EngineChoice.as_stats``: engine, mode, reason,
         and of each engine measured ms_per_image, compute_batch_size and ms_per_image_by_batch_size)."""
@@ -159,6 +178,7 @@ class BucketedRunner:
             "warmed_batch_sizes": self.warmed_sizes,
             "warmup_ms_per_image": self.warmup_ms_per_image,
             "warmup_s": round(self.warmup_s, 3),
+            "timings_source": self.timings_source,
             "compute_batch_size": self.compute_batch_size,
             "ttl_dropped": self.ttl_dropped,
             "oom_splits": getattr(self.engine, "oom_splits", 0),
@@ -296,14 +316,25 @@ def engine_cpu_threads(spec: RunnerSpec) -> int:
     return default_cpu_threads(spec.role, len(usable_cores()), cuda_present())
 
 
+def timing_key(model_tag: str, engines: tuple[str, ...], threads: int, shape: tuple[int, ...], sizes: list[int],
+               runs: int) -> TimingKey:
+    """The ``inference.timing_cache.TimingKey`` of timing ``engines`` of the model ``model_tag`` ("name:version")
+    with ``threads`` intra-op threads on batches of ``shape`` at ``sizes`` (best of ``runs``), in this process's
+    cores and CPU quota (``rampart.cores``)."""
+    return TimingKey(model_tag, tuple(engines), threads, tuple(shape), tuple(sizes), runs, len(usable_cores()),
+                     cpu_quota_cores())
+
+
 def pick_engine(spec: RunnerSpec, model, settings: Settings, threads: int,
-                shape: tuple[int, int, int]) -> EngineChoice:
+                shape: tuple[int, int, int], cache: TimingCache | None = None) -> EngineChoice:
     """The engine ``spec.role``'s runner computes ``model`` (a ``bentoml.Model``) on, logged once.
 
     The primary follows ``settings.primary.engine`` (``inference.engine_choice.choose_engine``);
     on a CPU-only host under "auto" both engines are timed in one child process under this
     process's pinning (call after ``setup``), with ``threads`` intra-op threads, on ``shape``
-    at ``candidate_sizes(spec.max_batch_size)``. Every other runner uses its model's own engine.
+    at ``candidate_sizes(spec.max_batch_size)`` (best of ``CHILD_TIMED_RUNS``), or read from ``cache``
+    (``inference.timing_cache``) when an earlier start on this host timed the same. Every other runner uses
+    its model's own engine.
     A stored primary without an ONNX export runs on torch, with a warning naming the model.
     """
     from inference.engines import cuda_present
@@ -314,9 +345,17 @@ def pick_engine(spec: RunnerSpec, model, settings: Settings, threads: int,
         choice = choose_engine("auto", available[:1], cuda_present(), lambda engines: {})
     else:
         sizes = candidate_sizes(spec.max_batch_size)
-        choice = choose_engine(settings.primary.engine, available, cuda_present(),
-                               lambda engines: measure_in_child(model.path, dict(meta), engines, threads, shape,
-                                                                sizes, spec.memory_fraction))
+
+        def measure(engines: tuple[str, ...]) -> dict[str, dict[int, float]]:
+            def in_child() -> dict[str, dict[int, float]]:
+                return measure_in_child(model.path, dict(meta), engines, threads, shape, sizes, spec.memory_fraction,
+                                        CHILD_TIMED_RUNS)
+
+            if cache is None:
+                return in_child()
+            return cache.timings(timing_key(str(model.tag), engines, threads, shape, sizes, CHILD_TIMED_RUNS), in_child)
+
+        choice = choose_engine(settings.primary.engine, available, cuda_present(), measure)
         if "onnx" not in available and meta.get("onnx_export_error"):
             engine_log.warning("primary runner: %s has no ONNX export (it failed at import: %s); running on torch",
                                model.tag, meta["onnx_export_error"])
@@ -368,9 +407,15 @@ def define_runner(role: str, name: str, doc: str) -> bentoml.Service:
         self.setup(role, self.model.info.metadata["resolution"], FaultInjector(role, spec.faults, settings.faults.file),
                    spec.max_batch_size, spec.nice, settings.deadlines.max_deadline_ms)
         threads = engine_cpu_threads(spec)
-        self.engine_choice = pick_engine(spec, self.model, settings, threads, self.buckets["square"].shape)
+        cache = TimingCache.from_setting(settings.runners.timing_cache_dir)
+        self.model_tag = str(self.model.tag)
+        self.engine_choice = pick_engine(spec, self.model, settings, threads, self.buckets["square"].shape, cache)
+        self.timings_source = cache.source
         self.engine = load_engine(self.model, spec.memory_fraction, threads, engine=self.engine_choice.engine)
-        self.warm_up(self.engine_choice.timings.get(self.engine_choice.engine))
+        self.warm_up(self.engine_choice.timings.get(self.engine_choice.engine), cache, threads)
+        if self.timings_source == "cache":
+            engine_log.info("%s runner: batch-size timings of %s from the timing cache %s", role, self.model_tag,
+                            cache.directory)
         if not self.engine_choice.timings:  # timed in process instead: /stats shows it the same way
             self.engine_choice = dataclasses.replace(self.engine_choice,
                                                      timings={self.engine_choice.engine: self.size_timings})

@@ -154,6 +154,15 @@ def test_the_primary_runs_on_the_engine_it_measured_faster_and_says_why(start_se
         log = server.log_path.read_text(errors="replace")
         assert f"primary runner: engine {choice['engine']} (auto: faster per image" in log
     assert primary["warmed_batch_sizes"] == warm_up_sizes(primary["compute_batch_size"])
+    # The choice was made from the timings in the shared timing cache (measured now or by an earlier start here).
+    assert primary["timings_source"] in ("measured", "cache") and fallback["timings_source"] in ("measured", "cache")
+    home = Path(os.environ.get("BENTOML_HOME", Path.home() / "bentoml"))
+    cached = [json.loads(f.read_text()) for f in (home / "rampart-timings").glob("*.json")]
+    tag = f"{stats['primary']['model']['name']}:{stats['primary']['model']['version']}"
+    both = [c for c in cached if c["key"]["model"] == tag and len(c["key"]["engines"]) == len(choice["ms_per_image"])]
+    assert len(both) == 1, [c["key"] for c in cached]
+    assert {engine: {size: round(ms, 3) for size, ms in t.items()} for engine, t in both[0]["timings"].items()} == \
+        choice["ms_per_image_by_batch_size"]
     assert fallback["engine"]["engine"] == "onnx"  # timed in process by its warm-up, shown the same way:
     assert fallback["engine"]["compute_batch_size"] == {"onnx": fallback["compute_batch_size"]}
     assert fallback["engine"]["ms_per_image"]["onnx"] == round(fallback["warmup_ms_per_image"], 3)
