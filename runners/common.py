@@ -111,8 +111,6 @@ class BucketedRunner:
         self.compute_batch_size = max_batch_size
         self.warmed_sizes: list[int] = []
         self.size_timings: dict[int, float] = {}
-        self.timings_source = "measured"
-        self.model_tag = ""
         self.engine_choice = EngineChoice("", "auto", "not loaded yet")
         self._lock = threading.Lock()
         self._ready = False
@@ -125,8 +123,8 @@ class BucketedRunner:
         when None, every size of ``candidate_sizes(max_batch_size)`` is timed here on the
         square bucket (one untimed run, best of ``IN_PROCESS_TIMED_RUNS``), or read from ``cache``
         (``inference.timing_cache``; ``threads``: the engine's intra-op threads, part of the key)
-        when an earlier start on this host timed the same thing; ``timings_source`` says which
-        ("measured" or "cache"). ``compute_batch_size`` is the size with
+        when an earlier start on this host timed the same thing (``cache.source`` then says
+        which). ``compute_batch_size`` is the size with
         the most images per second (the smallest within 10% of it: ``best_size``), and
         ``run_bucket`` computes larger adaptive batches in chunks of it, so only ``warm_up_sizes(compute_batch_size)`` are then run on every
         bucket: the first real request never pays for kernel selection or allocation, and no
@@ -149,7 +147,6 @@ class BucketedRunner:
             else:
                 key = timing_key(self.model_tag, (name,), threads, square, sizes, IN_PROCESS_TIMED_RUNS)
                 timings = cache.timings(key, measure)[name]
-                self.timings_source = cache.source
         self.size_timings = timings
         self.compute_batch_size = best_size(timings)
         self.warmup_ms_per_image = timings[self.compute_batch_size]
@@ -410,9 +407,9 @@ def define_runner(role: str, name: str, doc: str) -> bentoml.Service:
         cache = TimingCache.from_setting(settings.runners.timing_cache_dir)
         self.model_tag = str(self.model.tag)
         self.engine_choice = pick_engine(spec, self.model, settings, threads, self.buckets["square"].shape, cache)
-        self.timings_source = cache.source
         self.engine = load_engine(self.model, spec.memory_fraction, threads, engine=self.engine_choice.engine)
         self.warm_up(self.engine_choice.timings.get(self.engine_choice.engine), cache, threads)
+        self.timings_source = cache.source  # of the last timing asked for: the engine choice's, or the warm-up's
         if self.timings_source == "cache":
             engine_log.info("%s runner: batch-size timings of %s from the timing cache %s", role, self.model_tag,
                             cache.directory)
