@@ -147,6 +147,7 @@ def full_run(out: Path, quick: bool, sweep_client: str, command: str) -> int:
                                                       sizes.budget_s)}
 
                 results[name] = ramp_and_overload(service, bodies, sizes, sizes.factors, after_ramp=budget)
+                drain(service, bodies)
                 results[name]["closed_loop_sweep"] = [r.summary() for r in sweep(
                     service.url, bodies, sizes.sweep_connections, sizes.sweep_s, SLO_MS, sweep_client)]
                 drain(service, bodies)

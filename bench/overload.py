@@ -4,8 +4,8 @@
 The service's closed-loop ramp (``bench.ramp``) gives its knee; then open-loop Poisson runs at
 1×, 2×, 5× and 10× that knee (``bench.harness.Sizes``), every request with the 1 s deadline:
 goodput (answers within their deadline that carry a model's labels), shed rate, degraded
-rate, P99 of accepted requests, late answers. After each run the service is drained (one
-request answered within the SLO) before the next. Also step 3 of ``python -m bench.load_bench``.
+rate, P99 of accepted requests, late answers. Before each run after the first the service is
+drained (one request answered within the SLO). Also step 3 of ``python -m bench.load_bench``.
 """
 
 from __future__ import annotations
@@ -23,16 +23,20 @@ __all__ = ["overload", "drain", "ramp_and_overload", "main"]
 
 
 def overload(service: Service, bodies: list[bytes], capacity: float, factors: list[float], duration_s: float) -> dict:
-    """Open-loop runs at ``factor`` × ``capacity``; goodput counts answers with a model's labels."""
+    """Open-loop runs at ``factor`` × ``capacity``; goodput counts answers with a model's labels.
+
+    The service is drained (``drain``) before each run after the first, not after the last: a caller
+    that goes on loading the service drains it first (an unshed baseline may still be queueing)."""
     runs = {}
-    for factor in factors:
+    for i, factor in enumerate(factors):
+        if i:
+            drain(service, bodies)
         samples = run_sync(open_loop(service.url, bodies, factor * capacity, duration_s, deadline_ms=SLO_MS,
                                      seed=int(factor * 10), form_field=service.form_field, oip=service.oip))
         summary = summarize(samples, duration_s)
         served = [s for s in samples if s.status == 200 and s.model is not None and s.latency_ms <= s.deadline_ms]
         runs[str(factor)] = {"offered_rps": round(factor * capacity, 1), **summary,
                              "goodput_rps": round(len(served) / duration_s, 2)}
-        drain(service, bodies)
     return runs
 
 
