@@ -39,7 +39,7 @@ from bench.loadgen import oip_request
 from bench.process_cpu import ROLES, ServerCpu, process_role, server_processes
 from inference.timing_cache import DIRNAME as TIMING_CACHE_DIRNAME
 
-__all__ = ["ROOT", "BIN", "SLO_MS", "START_TIMEOUT_S", "STOP_TIMEOUT_S", "Sizes", "private_bentoml_home", "free_port",
+__all__ = ["ROOT", "BIN", "SLO_MS", "START_TIMEOUT_S", "STOP_TIMEOUT_S", "Sizes", "private_bentoml_home", "share_timing_cache", "free_port",
            "stop_process_group", "signal_tree", "stop_tree", "Server", "Service", "Replica", "measure_service", "scenario_parser",
            "run_scenario",
            "machine", "ratio",
@@ -93,19 +93,31 @@ def private_bentoml_home(directory: Path, store: Path | None = None) -> dict[str
     home's, so every server shares the runners' timing cache (``inference.timing_cache``) as a restarted
     replica on one host would.
     """
-    real_home = Path(os.environ.get("BENTOML_HOME", Path.home() / "bentoml"))
     directory = directory.resolve()
     directory.mkdir(parents=True, exist_ok=True)
-    models = directory / "models"
-    target = (store or real_home / "models").resolve()  # a relative target would resolve from the link's folder
-    timings = (real_home / TIMING_CACHE_DIRNAME).resolve()
-    timings.mkdir(parents=True, exist_ok=True)
-    for link, linked in ((models, target), (directory / TIMING_CACHE_DIRNAME, timings)):
-        if link.is_symlink() and link.resolve() != linked:
-            link.unlink()
-        if not link.is_symlink():
-            link.symlink_to(linked, target_is_directory=True)
+    _link(directory / "models", (store or _real_home() / "models").resolve())  # a relative target would resolve from the link's folder
+    share_timing_cache(directory)
     return {"BENTOML_HOME": str(directory)}
+
+
+def share_timing_cache(home: Path) -> None:
+    """Link ``home/rampart-timings`` (a BENTOML_HOME's timing cache, ``inference.timing_cache``) to this
+    process's BENTOML_HOME's, so that a server under ``home`` reads and adds the timings of every other."""
+    timings = (_real_home() / TIMING_CACHE_DIRNAME).resolve()
+    timings.mkdir(parents=True, exist_ok=True)
+    _link(home.resolve() / TIMING_CACHE_DIRNAME, timings)
+
+
+def _real_home() -> Path:
+    return Path(os.environ.get("BENTOML_HOME", Path.home() / "bentoml"))
+
+
+def _link(link: Path, target: Path) -> None:
+    """Make ``link`` a symbolic link to the folder ``target``, replacing a link to anywhere else."""
+    if link.is_symlink() and link.resolve() != target:
+        link.unlink()
+    if not link.is_symlink():
+        link.symlink_to(target, target_is_directory=True)
 
 
 def free_port() -> int:
@@ -346,7 +358,7 @@ class Replica(Server):
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
         """Block until ``/readyz`` is 200 (both runners warm); raise ``RuntimeError`` (with the log's end) if it
         exits or times out."""
-        self.wait_until(lambda: httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200, timeout_s, 0.5,
+        self.wait_until(lambda: httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200, timeout_s, 0.1,
                         f"replica {self.name}", lambda: f":\n{self.log()}")
 
     def kill(self) -> None:

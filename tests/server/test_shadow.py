@@ -25,6 +25,7 @@ import httpx
 import numpy as np
 import pytest
 
+from bench.harness import share_timing_cache
 from bench.loadgen import load_bodies, open_loop, unique
 from tests.support.metrics import dashboard_metrics, missing_metrics
 from tests.support import ROOT
@@ -39,8 +40,10 @@ OVERLOAD_RPS = 150.0
 
 def private_store(home: Path) -> Path:
     """A BENTOML_HOME whose store links the real primary and fallback and holds its own ``rampart-shadow``,
-    imported by ``python -m models.import_models --shadow-onnx`` from the fallback's ONNX file."""
+    imported by ``python -m models.import_models --shadow-onnx`` from the fallback's ONNX file; its
+    runners' timing cache is the other test servers' (``bench.harness.share_timing_cache``)."""
     (home / "models").mkdir(parents=True)
+    share_timing_cache(home)
     for name in ("rampart-primary", "rampart-fallback"):
         (home / "models" / name).symlink_to(Path(bentoml.models.get(f"{name}:latest").path).parent)
     onnx_file = bentoml.models.get("rampart-fallback:latest").path_of("model.onnx")
