@@ -256,6 +256,9 @@ def test_sigkill_of_one_replica_mid_load(cluster, capacity):
     victim = cluster.replicas[1]
     if victim.process.poll() is not None:  # drained by the test above: its successor takes its place
         victim = cluster.install(1, SUCCESSOR.pop("replica", None) or cluster.spawn(1))
+        # A replica restarted on the same host reads the batch-size timings its predecessor measured.
+        runners = httpx.get(f"{victim.url}/stats", timeout=10).json()
+        assert {runners[role]["runner"]["timings_source"] for role in ("primary", "fallback")} == {"cache"}, runners
     samples = overload(cluster.url, 2 * capacity, FAULT_SECONDS, FAULT_AT_S, victim.kill)
     killed_at = FAULT_AT_S  # at the latest: the timer starts before the load's clock does
     report = summarize(samples, FAULT_SECONDS, slack_ms=SLACK_MS)
