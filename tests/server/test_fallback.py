@@ -123,7 +123,7 @@ def test_slow_primary_under_concurrency_answers_every_request_in_time(slow_serve
         assert elapsed_ms <= DEADLINE_MS + SLACK_MS
         if response.status_code == 200:
             result = response.json()
-            assert result["degraded"] is True and result["model"]["name"] == "rampart-fallback", result
+            assert result["degraded"] is True and (result["model"] or {}).get("name") == "rampart-fallback", result
             assert {label["index"] for label in result["labels"][:3]} & PHOTOS[name]
 
 
