@@ -37,7 +37,7 @@ import psutil
 from bench.baselines import triton_pytriton
 from bench.loadgen import oip_request
 from bench.process_cpu import ROLES, ServerCpu, process_role, server_processes
-from inference.timing_cache import DIRNAME as TIMING_CACHE_DIRNAME
+from inference.timing_cache import DIRNAME as TIMING_CACHE_DIRNAME, TimingCache
 
 __all__ = ["ROOT", "BIN", "SLO_MS", "START_TIMEOUT_S", "STOP_TIMEOUT_S", "Sizes", "private_bentoml_home", "share_timing_cache", "free_port",
            "stop_process_group", "signal_tree", "stop_tree", "Server", "Service", "Replica", "measure_service", "scenario_parser",
@@ -95,21 +95,20 @@ def private_bentoml_home(directory: Path, store: Path | None = None) -> dict[str
     """
     directory = directory.resolve()
     directory.mkdir(parents=True, exist_ok=True)
-    _link(directory / "models", (store or _real_home() / "models").resolve())  # a relative target would resolve from the link's folder
+    real_home = Path(os.environ.get("BENTOML_HOME", Path.home() / "bentoml"))
+    # A relative target would resolve from the link's folder.
+    _link(directory / "models", (store or real_home / "models").resolve())
     share_timing_cache(directory)
     return {"BENTOML_HOME": str(directory)}
 
 
 def share_timing_cache(home: Path) -> None:
-    """Link ``home/rampart-timings`` (a BENTOML_HOME's timing cache, ``inference.timing_cache``) to this
-    process's BENTOML_HOME's, so that a server under ``home`` reads and adds the timings of every other."""
-    timings = (_real_home() / TIMING_CACHE_DIRNAME).resolve()
+    """Link ``home/rampart-timings`` (a BENTOML_HOME's timing cache, ``inference.timing_cache``) to the
+    default cache of this process (``TimingCache.from_setting("")``: under its BENTOML_HOME), so that a
+    server under ``home`` reads and adds the timings of every other."""
+    timings = TimingCache.from_setting("").directory.resolve()
     timings.mkdir(parents=True, exist_ok=True)
     _link(home.resolve() / TIMING_CACHE_DIRNAME, timings)
-
-
-def _real_home() -> Path:
-    return Path(os.environ.get("BENTOML_HOME", Path.home() / "bentoml"))
 
 
 def _link(link: Path, target: Path) -> None:

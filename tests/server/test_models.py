@@ -156,8 +156,9 @@ def test_the_primary_runs_on_the_engine_it_measured_faster_and_says_why(start_se
     assert primary["warmed_batch_sizes"] == warm_up_sizes(primary["compute_batch_size"])
     # The choice was made from the timings in the shared timing cache (measured now or by an earlier start here).
     assert primary["timings_source"] in ("measured", "cache") and fallback["timings_source"] in ("measured", "cache")
-    home = Path(os.environ.get("BENTOML_HOME", Path.home() / "bentoml"))
-    cached = [json.loads(f.read_text()) for f in (home / "rampart-timings").glob("*.json")]
+    from inference.timing_cache import TimingCache
+
+    cached = [json.loads(f.read_text()) for f in TimingCache.from_setting("").directory.glob("*.json")]
     tag = f"{stats['primary']['model']['name']}:{stats['primary']['model']['version']}"
     both = [c for c in cached if c["key"]["model"] == tag and len(c["key"]["engines"]) == len(choice["ms_per_image"])]
     assert len(both) == 1, [c["key"] for c in cached]
