@@ -63,6 +63,7 @@ __all__ = [
     "InvalidParameter",
     "DeadlineTooShort",
     "HeadersTooLarge",
+    "MalformedRequest",
     "Overloaded",
     "Unavailable",
     "NotReady",
@@ -219,6 +220,12 @@ class HeadersTooLarge(RequestError):
     """The request line and headers together are longer than ``rampart.compat.uvicorn_httptools.MAX_HEAD_BYTES``."""
 
     code, status = "headers_too_large", 431
+
+
+class MalformedRequest(RequestError):
+    """The bytes are not an HTTP/1.1 request (a bad Content-Length, chunk size, method or header line); the connection is closed."""
+
+    code, status = "malformed_request", 400
 
 
 class Overloaded(RampartError):

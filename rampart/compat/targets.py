@@ -119,6 +119,9 @@ TARGETS: tuple[Target, ...] = (
            "e9a4938ca2920be4f0a98d1be5ff59edeeb13c6c98624637488933ae3581e7ec"),
     Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "RequestResponseCycle.send",
            "1353b43763cb14d450633937a013a488710a5dd2c455bc1667fa604f748e084b"),
+    # Replaced: uvicorn's plain-text 400 for bytes the parser refuses (a JSON malformed_request instead).
+    Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "HttpToolsProtocol.send_400_response",
+           "62719a7bb676f7ad062d22d296fe10ab3899d45530d932524a5b1cfbed745a34"),
     Target("uvicorn_httptools.stamp_arrivals", _HTTPTOOLS, "HttpToolsProtocol.on_message_begin",
            "8b027723aca379722d73c79e47b4d65ea5bf8c977a6706939a00209b7ae5c912"),
     Target("uvicorn_app.serve_behind_bound", "uvicorn.config", "Config.load",

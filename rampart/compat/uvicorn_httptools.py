@@ -33,6 +33,11 @@ past ``request_head_timeout_ms`` the connection is closed, with no answer (as ng
 ``keep_alive_timeout_s``. Both come from the settings (``rampart.config``) when
 ``limit_request_heads()`` runs.
 
+**A JSON 400 for what the parser refuses.** uvicorn answers a request llhttp cannot parse (a negative
+or repeated ``Content-Length``, a bad chunk size, a lower-case method) with a plain-text 400 and closes
+the connection; ``HeadLimitedProtocol.send_400_response`` sends Rampart's JSON error
+``malformed_request`` instead, counted and logged like every answer.
+
 **First byte.** ``stamp_arrivals()`` notes when each request's first byte arrived in its
 ASGI scope (``rampart.api.arrival.ARRIVAL_KEY``), where the deadline clock starts.
 
@@ -54,7 +59,7 @@ from rampart.api.arrival import ARRIVAL_KEY
 from rampart.config import ConnectionSettings, Settings, get_settings
 from rampart.telemetry import metrics
 from rampart.telemetry.accesslog import log_request
-from rampart.errors import HeadersTooLarge
+from rampart.errors import HeadersTooLarge, MalformedRequest, RampartError
 
 __all__ = ["MAX_HEAD_BYTES", "HeadLimitedProtocol", "limit_request_heads", "stamp_arrivals"]
 
@@ -157,17 +162,29 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     def _refuse(self) -> None:
         """Answer 431 with the JSON error body, count and log it, and close the connection after ``LINGER_S``."""
         self._cancel_head_timer()
-        request_id = uuid.uuid4().hex
         error = HeadersTooLarge(f"the request line and headers are over the limit of {self.max_head_bytes} bytes")
-        body = JSONResponse(error.to_body(request_id)).body
-        self.transport.write(
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nx-request-id: %s\r\nconnection: close\r\n\r\n%s"
-            % (len(body), request_id.encode(), body))
+        self._write_error(error, b"431 Request Header Fields Too Large")
         if self.transport.can_write_eof():
             self.transport.write_eof()  # the client sees the answer end; its own close then ends the connection
         self.loop.call_later(LINGER_S, self.transport.close)
         self._refused = True
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to bytes the HTTP parser refuses (``msg``: its text), as Rampart's JSON
+        ``malformed_request``; the connection is closed, as uvicorn closes it."""
+        self._cancel_head_timer()
+        self._write_error(MalformedRequest(f"{msg} The request could not be parsed as HTTP/1.1."),
+                               b"400 Bad Request")
+        self.transport.close()
+
+    def _write_error(self, error: RampartError, status_line: bytes) -> None:
+        """Write ``error`` as a JSON answer with ``connection: close`` (no ASGI app runs), count and log it; the caller closes."""
+        request_id = uuid.uuid4().hex
+        body = JSONResponse(error.to_body(request_id)).body
+        self.transport.write(
+            b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nx-request-id: %s\r\nconnection: close\r\n\r\n%s"
+            % (status_line, len(body), request_id.encode(), body))
         metrics.RESPONSES.labels(str(error.status), error.code).inc()
         log_request(request_id, "", error.status, error.code, False, 0.0)
 
@@ -185,7 +202,8 @@ def limit_request_heads(settings: Settings | None = None) -> None:
     unmerged, reported still so in 0.23.2), and any byte cancels the keep-alive timer. Written for uvicorn 0.54.0 with httptools 0.9.0; targets ``uvicorn.config.HTTP_PROTOCOLS`` and the
     ``HttpToolsProtocol`` methods ``HeadLimitedProtocol`` overrides or relies on (``__init__`` for
     ``timeout_keep_alive``, ``on_response_complete`` and ``timeout_keep_alive_handler`` for the
-    keep-alive timer, ``RequestResponseCycle.send`` for closing after a response).
+    keep-alive timer, ``RequestResponseCycle.send`` for closing after a response, ``send_400_response``
+    replaced by the JSON ``malformed_request``).
     """
     from uvicorn import config
 

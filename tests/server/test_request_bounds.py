@@ -1,4 +1,4 @@
-"""Request bounds on a real server: JSON 404/405, bounded metric series, Server-Timing on batches, request-head limit, part bombs answered fast while others are served."""
+"""Request bounds on a real server: JSON 404/405, bounded metric series, Server-Timing on batches, request-head limit, JSON 400 for what the HTTP parser refuses, part bombs answered fast while others are served."""
 
 from __future__ import annotations
 
@@ -77,6 +77,27 @@ def test_request_head_over_the_limit_gets_431_json(server, head):
         reply = send_raw(server, head, piece)
         assert reply.startswith(b"HTTP/1.1 431 "), reply[:200]
         assert b'"code":"headers_too_large"' in reply and b"application/json" in reply
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"POST /classify HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    b"POST /classify HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 3\r\n\r\nabc",
+    b"POST /classify HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    b"POST /classify HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nabc\r\n0\r\n\r\n",
+    b"post /classify HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n",
+    b"GET /livez HTTP/9.9\r\nHost: x\r\n\r\n",
+    b"GET /livez HTTP/1.1\r\nHost x\r\n\r\n",
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03" + bytes(64),  # a TLS ClientHello on the plain port
+], ids=["negative_length", "repeated_length", "length_and_chunked", "bad_chunk_size", "lower_case_method",
+        "unknown_version", "header_without_colon", "tls_hello"])
+def test_bytes_the_http_parser_refuses_get_a_json_400_and_the_next_request_is_served(server, http, request_bytes):
+    reply = send_raw(server, request_bytes, len(request_bytes))
+    assert reply.startswith(b"HTTP/1.1 400 "), reply[:300]
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head and b"connection: close" in head, head
+    assert b'"code":"malformed_request"' in body and b'"request_id"' in body, body
+    answer = http.post("/classify", content=encode(photo("coffee")))
+    assert answer.status_code == 200 and answer.json()["labels"], answer.text
 
 
 def test_request_head_under_the_limit_is_served(http):
