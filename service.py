@@ -52,7 +52,7 @@ from rampart.api.app import (answer_body_too_slow, attach, classify_batch_endpoi
                              refuse_before_admission, route_error_answered, state_of)
 from rampart.api.arrival import bound_inflight
 from rampart.api.bentoml_api import (CLASSIFY_API_ROUTE, CLASSIFY_BATCH_API_ROUTE, CLASSIFY_BATCH_DOC, CLASSIFY_DOC,
-                                    BatchAnswer, BatchUpload, ClassifyAnswer, ImageUpload, documented)
+                                    BatchAnswer, BatchUpload, ClassifyAnswer, ImageUpload, RefusePickleBodies, documented)
 from rampart.api.lifecycle import ENTRY_SERVICE_NAME, Lifecycle, all_entry_workers_ready, intercept_exit_signals
 from rampart.api.lifecycle import mark_worker_ready
 from rampart.api.lifecycle import logger as lifecycle_log
@@ -309,3 +309,4 @@ class Rampart:
 # BentoML's own middlewares, so every scrape is still counted and traced as before.
 Rampart.add_asgi_middleware(CoalescedMetrics, interval_s=settings.telemetry.metrics_render_interval_ms / 1000)
 Rampart.add_asgi_middleware(JSONRouteErrors, answered=route_error_answered)  # JSON 404/405: see rampart.api.routing
+Rampart.add_asgi_middleware(RefusePickleBodies, answered=route_error_answered)  # see rampart.api.bentoml_api

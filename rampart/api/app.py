@@ -364,7 +364,8 @@ def failed(request: Request, request_id: str, priority: str, started: float, exc
 
 
 def route_error_answered(request: Request, request_id: str, started: float, error: RampartError) -> None:
-    """Account and log a 404/405 answered by ``rampart.api.routing.JSONRouteErrors``."""
+    """Account and log a 404/405 answered by ``rampart.api.routing.JSONRouteErrors``, or a pickle body refused by
+    ``rampart.api.bentoml_api.RefusePickleBodies``."""
     finished(request, request_id, "normal", started, error.status, error.code)
 
 

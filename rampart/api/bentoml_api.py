@@ -25,23 +25,37 @@ Why a second route and not ``/classify`` itself: BentoML puts API routes before
 mounted apps, so an API at ``/classify`` would take that path's 404/405 handling
 away from Rampart's Starlette app.
 
+**BentoML's pickle body.** BentoML's API handler refuses a body of media type
+``application/vnd.bentoml+pickle`` (runner-to-runner serialisation) on the entry service
+before the route's handler runs: a 415 whose body is BentoML's ``[{"error": ...}]`` and an
+ERROR log line with a traceback. ``RefusePickleBodies``, an ASGI middleware around the
+whole app, answers such a request on either API route first, with Rampart's JSON 415
+``unsupported_format``, counted and logged like every answer. It is the one error
+BentoML 1.4.29's ``ServiceAppFactory.api_endpoint`` raises before the handler runs.
+
 Unlike the rest of ``rampart/``, this module imports BentoML (its IO model base
 class); only ``service.py`` imports it.
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 from bentoml import IODescriptor
 from pydantic import BaseModel, Field
 
-from rampart.errors import ERROR_CLASSES
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from rampart.api.http import error_response, request_id_of
+from rampart.errors import ERROR_CLASSES, RampartError, UnsupportedFormat
 from rampart.results import MAX_TOP_K
 
 __all__ = ["CLASSIFY_API_ROUTE", "CLASSIFY_BATCH_API_ROUTE", "ImageUpload", "BatchUpload", "ClassifyAnswer",
-           "BatchAnswer", "error_table", "documented", "CLASSIFY_DOC", "CLASSIFY_BATCH_DOC"]
+           "BatchAnswer", "error_table", "documented", "CLASSIFY_DOC", "CLASSIFY_BATCH_DOC", "PICKLE_MEDIA_TYPE",
+           "RefusePickleBodies"]
 
 #: Where BentoML's client posts for ``client.classify(path)``; answers exactly as ``POST /classify``.
 CLASSIFY_API_ROUTE = "/bentoml/classify"
@@ -179,3 +193,31 @@ def documented(doc: str) -> Callable[[Callable], Callable]:
         return func
 
     return wrap
+
+
+#: The media type of BentoML's runner-to-runner bodies, which its API handler refuses on an entry service.
+PICKLE_MEDIA_TYPE = "application/vnd.bentoml+pickle"
+
+
+class RefusePickleBodies:
+    """ASGI middleware: a request to ``CLASSIFY_API_ROUTE`` or ``CLASSIFY_BATCH_API_ROUTE`` whose
+    ``Content-Type`` is ``PICKLE_MEDIA_TYPE`` gets Rampart's JSON 415 ``unsupported_format`` (module doc);
+    everything else passes. ``answered(request, request_id, started, error)`` (``time.perf_counter()``
+    seconds) counts and logs each refusal."""
+
+    def __init__(self, app: ASGIApp, answered: Callable[[Request, str, float, RampartError], None]) -> None:
+        self.app = app
+        self.answered = answered
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] in (CLASSIFY_API_ROUTE, CLASSIFY_BATCH_API_ROUTE):
+            request = Request(scope)
+            media_type = request.headers.get("content-type", "").split(";")[0].strip()
+            if media_type == PICKLE_MEDIA_TYPE:
+                started, request_id = time.perf_counter(), request_id_of(request)
+                error = UnsupportedFormat(f"{PICKLE_MEDIA_TYPE} bodies are not accepted; send the image bytes or "
+                                          "multipart/form-data with the field image")
+                await error_response(error, request_id)(scope, receive, send)
+                self.answered(request, request_id, started, error)
+                return
+        await self.app(scope, receive, send)

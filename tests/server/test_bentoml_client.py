@@ -82,3 +82,16 @@ def test_multipart_top_k_field_on_classify_itself(http):
     assert answer.status_code == 200 and len(answer.json()["labels"]) == 2
     both = http.post("/classify?top_k=2", files=files, data={"top_k": "2"})
     assert both.status_code == 422 and both.json()["error"]["code"] == "invalid_parameter"
+
+
+@pytest.mark.parametrize("route", [CLASSIFY_API_ROUTE, CLASSIFY_BATCH_API_ROUTE])
+@pytest.mark.parametrize("content_type", ["application/vnd.bentoml+pickle", "application/vnd.bentoml+pickle; x=1"])
+def test_a_pickle_body_on_bentoml_s_routes_gets_rampart_s_json_415(http, route, content_type):
+    """BentoML's handler refuses its runner serialisation on the entry service in its own error shape, with a
+    logged traceback; Rampart answers first, in its shape, and the next upload is classified."""
+    response = http.post(route, content=b"\x80\x04K\x01.", headers={"Content-Type": content_type})
+    assert response.status_code == 415, response.text
+    error = response.json()["error"]
+    assert error["code"] == "unsupported_format" and error["request_id"] == response.headers["x-request-id"]
+    answer = http.post("/classify", content=encode(photo("chelsea")))
+    assert answer.status_code == 200 and {label["index"] for label in answer.json()["labels"]} & PHOTOS["chelsea"]
