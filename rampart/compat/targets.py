@@ -119,6 +119,13 @@ TARGETS: tuple[Target, ...] = (
            "e9a4938ca2920be4f0a98d1be5ff59edeeb13c6c98624637488933ae3581e7ec"),
     Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "RequestResponseCycle.send",
            "1353b43763cb14d450633937a013a488710a5dd2c455bc1667fa604f748e084b"),
+    # Refusing an upgrade to a protocol not served, before the app runs (HeadLimitedProtocol.on_headers_complete).
+    Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "HttpToolsProtocol.on_headers_complete",
+           "c713423e2fb6aa9dce85d23a9934a66399c62d62e616f959d328bff2b90da3e1"),
+    Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "HttpToolsProtocol._get_upgrade",
+           "cb21def75e9f4fb1127964b76b35be52c31fe0467d2146d19e2c122dde6e016a"),
+    Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "HttpToolsProtocol._should_upgrade",
+           "9238465204aa4122894396d34940cabae95f81a26bb6c9e2fc14bf72309d1dfd"),
     # Replaced: uvicorn's plain-text 400 for bytes the parser refuses (a JSON malformed_request instead).
     Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "HttpToolsProtocol.send_400_response",
            "62719a7bb676f7ad062d22d296fe10ab3899d45530d932524a5b1cfbed745a34"),

@@ -36,7 +36,10 @@ past ``request_head_timeout_ms`` the connection is closed, with no answer (as ng
 **A JSON 400 for what the parser refuses.** uvicorn answers a request llhttp cannot parse (a negative
 or repeated ``Content-Length``, a bad chunk size, a lower-case method) with a plain-text 400 and closes
 the connection; ``HeadLimitedProtocol.send_400_response`` sends Rampart's JSON error
-``malformed_request`` instead, counted and logged like every answer.
+``malformed_request`` instead, counted and logged like every answer. A request that asks to
+upgrade to a protocol Rampart does not serve (``Upgrade: h2c``; only a served WebSocket is upgraded)
+gets the same answer from ``on_headers_complete``, before any app runs: llhttp stops parsing at the
+end of its head, so its body and every later request on the connection were lost.
 
 **First byte.** ``stamp_arrivals()`` notes when each request's first byte arrived in its
 ASGI scope (``rampart.api.arrival.ARRIVAL_KEY``), where the deadline clock starts.
@@ -102,7 +105,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._in_head = True  # from the end of a message to the end of the next head
         self._head_bytes = 0
         self._head_tail = b""  # the head's last bytes so far, to find an end cut between two reads
-        self._refused = False  # a 431 was sent: what still arrives is dropped until the connection closes
+        self._refused = False  # a 431 or an upgrade refusal was sent: what still arrives is dropped until the close
         self._head_timer: TimerHandle | None = None  # armed while a head is awaited or incomplete
         self.timeout_keep_alive = self.keep_alive_timeout_s
 
@@ -138,7 +141,29 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         self._cancel_head_timer()
+        upgrade = self._get_upgrade()
+        if upgrade is not None and not self._should_upgrade():
+            self._refuse_upgrade(upgrade)
+            return
         super().on_headers_complete()
+
+    def _refuse_upgrade(self, upgrade: bytes) -> None:
+        """Answer a request asking to upgrade to a protocol Rampart does not speak (``Connection: upgrade``,
+        ``Upgrade: h2c`` or any but a served WebSocket) with the JSON 400 ``malformed_request``, and close.
+
+        llhttp stops parsing at the end of such a request's head, so uvicorn ran the app with an empty body
+        (a false ``empty_body``) and never parsed the bytes after it: the next request on the connection
+        waited for the keep-alive timeout. Behind a response still being sent (pipelining) that response
+        ends the connection instead; nothing more is read.
+        """
+        self._refused = True  # what the parser left unread is dropped until the connection closes
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.cycle.keep_alive = False
+            return
+        name = upgrade.decode("latin-1")[:40]
+        self._write_error(MalformedRequest(f"an upgrade to {name!r} is not supported; send the request without "
+                                           "the Upgrade and Connection: upgrade headers"), b"400 Bad Request")
+        self.transport.close()
 
     def on_message_complete(self) -> None:
         super().on_message_complete()
@@ -203,7 +228,8 @@ def limit_request_heads(settings: Settings | None = None) -> None:
     ``HttpToolsProtocol`` methods ``HeadLimitedProtocol`` overrides or relies on (``__init__`` for
     ``timeout_keep_alive``, ``on_response_complete`` and ``timeout_keep_alive_handler`` for the
     keep-alive timer, ``RequestResponseCycle.send`` for closing after a response, ``send_400_response``
-    replaced by the JSON ``malformed_request``).
+    replaced by the JSON ``malformed_request``, ``on_headers_complete``, ``_get_upgrade`` and ``_should_upgrade``
+    for refusing an upgrade).
     """
     from uvicorn import config
 

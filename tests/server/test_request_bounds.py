@@ -100,6 +100,21 @@ def test_bytes_the_http_parser_refuses_get_a_json_400_and_the_next_request_is_se
     assert answer.status_code == 200 and answer.json()["labels"], answer.text
 
 
+@pytest.mark.parametrize("upgrade", [b"h2c\r\nConnection: Upgrade, HTTP2-Settings\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA",
+                                     b"foo/1\r\nConnection: Upgrade"], ids=["h2c", "unknown"])
+def test_an_upgrade_to_a_protocol_not_served_gets_a_json_400_and_the_connection_closes(server, http, upgrade):
+    """llhttp stops parsing at the end of an upgrade request's head: answered as if its body were empty, the
+    request after it on the connection went unread. Now one JSON 400 and a close; a new connection is served."""
+    body = encode(photo("coffee"))
+    first = b"POST /classify HTTP/1.1\r\nHost: x\r\nUpgrade: " + upgrade + b"\r\nContent-Length: %d\r\n\r\n" % len(body)
+    second = b"POST /classify HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+    reply = send_raw(server, first + body + second + body, 1 << 20)
+    assert reply.startswith(b"HTTP/1.1 400 ") and reply.count(b"HTTP/1.1 ") == 1, reply[:300]
+    head, _, answer = reply.partition(b"\r\n\r\n")
+    assert b"connection: close" in head and b'"code":"malformed_request"' in answer, reply[:300]
+    assert http.post("/classify", content=body).json()["labels"]
+
+
 def test_request_head_under_the_limit_is_served(http):
     headers = {f"X-{i}": "a" * 1000 for i in range(MAX_HEAD_BYTES // 1100)}
     assert http.get("/livez", headers=headers).status_code == 200
