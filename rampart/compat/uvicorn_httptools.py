@@ -198,8 +198,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         """uvicorn's answer to bytes the HTTP parser refuses (``msg``: its text), as Rampart's JSON
         ``malformed_request``; the connection is closed, as uvicorn closes it."""
         self._cancel_head_timer()
-        self._write_error(MalformedRequest(f"{msg} The request could not be parsed as HTTP/1.1."),
-                               b"400 Bad Request")
+        self._write_error(MalformedRequest(f"{msg} The request could not be parsed as HTTP/1.1."), b"400 Bad Request")
         self.transport.close()
 
     def _write_error(self, error: RampartError, status_line: bytes) -> None:
