@@ -224,7 +224,8 @@ def _decode(data: bytes, fmt: str, limits: DecodeLimits, shrink: ShrinkRule) -> 
     try:
         image = Image.open(io.BytesIO(data), formats=[fmt])
     except Image.DecompressionBombError as exc:
-        raise ImageTooLarge(f"the image declares too many pixels: {exc}") from exc
+        raise ImageTooLarge(f"the image declares more than {limits.max_pixels} pixels, the limit (Pillow refused "
+                            f"its header: {exc})") from exc
     except Exception as exc:  # Pillow raises many types for a bad header
         raise UndecodableImage(f"the bytes look like {fmt} but cannot be read: {exc}") from exc
     declared = image.size
