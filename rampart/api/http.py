@@ -79,12 +79,17 @@ def parse_top_k(request: Request) -> int:
     return top_k_of(request.query_params.get("top_k", "5"))
 
 
+#: ``top_k`` as sent: ASCII decimal digits (``int`` alone also takes other scripts' digits and ``1_0``).
+_DECIMAL = re.compile(r"[0-9]{1,9}")
+
+
 def top_k_of(raw: str) -> int:
-    """``raw`` (a query parameter or a multipart field) as ``top_k``: an integer in 1..20; else ``InvalidParameter``."""
-    try:
-        top_k = int(raw)
-    except ValueError:
-        raise InvalidParameter(f"top_k must be an integer in 1..{MAX_TOP_K}, got {raw[:32]!r}") from None
+    """``raw`` (a query parameter or a multipart field) as ``top_k``: ASCII digits (spaces or tabs around them
+    allowed) for an integer in 1..20; else ``InvalidParameter``."""
+    digits = raw.strip(" \t")
+    if not _DECIMAL.fullmatch(digits):
+        raise InvalidParameter(f"top_k must be an integer in 1..{MAX_TOP_K}, got {raw[:32]!r}")
+    top_k = int(digits)
     if not 1 <= top_k <= MAX_TOP_K:
         raise InvalidParameter(f"top_k must be in 1..{MAX_TOP_K}, got {top_k}")
     return top_k

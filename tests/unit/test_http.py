@@ -129,7 +129,7 @@ def test_top_k_is_an_integer_in_1_to_20_default_5(query, top_k):
     assert http.parse_top_k(request(query=query)) == top_k
 
 
-@pytest.mark.parametrize("raw", ["0", "21", "-1", "1.5", "five", ""])
+@pytest.mark.parametrize("raw", ["0", "21", "-1", "1.5", "five", "", "1_0", "%2B5", "%D9%A3", "%EF%BC%95", "5%0A"])
 def test_top_k_outside_1_to_20_or_not_an_integer_is_422(raw):
     with pytest.raises(errors.InvalidParameter) as error:
         http.parse_top_k(request(query=f"top_k={raw}"))
