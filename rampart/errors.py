@@ -223,7 +223,7 @@ class HeadersTooLarge(RequestError):
 
 
 class MalformedRequest(RequestError):
-    """The bytes are not an HTTP/1.1 request (a bad Content-Length, chunk size, method or header line); the connection is closed."""
+    """Not an HTTP/1.1 request Rampart serves (bad length, chunk, method or header; an upgrade); then closed."""
 
     code, status = "malformed_request", 400
 

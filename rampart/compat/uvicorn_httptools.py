@@ -202,7 +202,8 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self.transport.close()
 
     def _write_error(self, error: RampartError, status_line: bytes) -> None:
-        """Write ``error`` as a JSON answer with ``connection: close`` (no ASGI app runs), count and log it; the caller closes."""
+        """Write ``error`` as a JSON answer with ``connection: close`` (no ASGI app runs), count and log it;
+        the caller closes the connection."""
         request_id = uuid.uuid4().hex
         body = JSONResponse(error.to_body(request_id)).body
         self.transport.write(
