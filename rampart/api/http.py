@@ -38,6 +38,7 @@ from rampart.results import MAX_TOP_K
 
 __all__ = [
     "request_id_of",
+    "ascii_decimal",
     "parse_top_k",
     "top_k_of",
     "parse_deadline",
@@ -79,17 +80,24 @@ def parse_top_k(request: Request) -> int:
     return top_k_of(request.query_params.get("top_k", "5"))
 
 
-#: ``top_k`` as sent: ASCII decimal digits (``int`` alone also takes other scripts' digits and ``1_0``).
-_DECIMAL = re.compile(r"[0-9]{1,9}")
+#: A whole number as a client sends it: ASCII digits only (``str.isdigit`` and ``int`` also take '²', '١' and
+#: ``1_0``, which ``int`` refuses or reads as another number).
+_DECIMAL = re.compile(r"[0-9]{1,20}")
+
+
+def ascii_decimal(text: str) -> int | None:
+    """``text`` (a header, query or form value; spaces and tabs around it allowed) as a whole number when it is
+    1 to 20 ASCII digits, else None."""
+    digits = text.strip(" \t")
+    return int(digits) if _DECIMAL.fullmatch(digits) else None
 
 
 def top_k_of(raw: str) -> int:
-    """``raw`` (a query parameter or a multipart field) as ``top_k``: ASCII digits (spaces or tabs around them
-    allowed) for an integer in 1..20; else ``InvalidParameter``."""
-    digits = raw.strip(" \t")
-    if not _DECIMAL.fullmatch(digits):
+    """``raw`` (a query parameter or a multipart field) as ``top_k``: ASCII digits (``ascii_decimal``) for an
+    integer in 1..20; else ``InvalidParameter``."""
+    top_k = ascii_decimal(raw)
+    if top_k is None:
         raise InvalidParameter(f"top_k must be an integer in 1..{MAX_TOP_K}, got {raw[:32]!r}")
-    top_k = int(digits)
     if not 1 <= top_k <= MAX_TOP_K:
         raise InvalidParameter(f"top_k must be in 1..{MAX_TOP_K}, got {top_k}")
     return top_k
@@ -161,8 +169,8 @@ async def read_body(request: Request, limit: int, deadline: Deadline) -> bytes:
 
 async def body_chunks(request: Request, limit: int) -> AsyncIterator[bytes]:
     """The body's chunks as they arrive; ``PayloadTooLarge`` once they pass ``limit`` bytes (or Content-Length says so)."""
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit:
+    declared = ascii_decimal(request.headers.get("content-length", ""))
+    if declared is not None and declared > limit:
         raise PayloadTooLarge(f"the body is {declared} bytes; the limit is {limit} bytes")
     size = 0
     async for chunk in request.stream():

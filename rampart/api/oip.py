@@ -378,11 +378,9 @@ def _header_split(body: bytes, header_length: str | None) -> tuple[bytes, memory
     """(JSON part, binary part) of a body, ``header_length`` being ``Inference-Header-Content-Length``."""
     if header_length is None:
         return body, memoryview(b"")
-    text = header_length.strip()
-    # ASCII digits only: str.isdigit() also accepts '²' and '١', which int() refuses or reads
-    if not (text.isascii() and text.isdigit() and len(text) <= 20) or int(text) > len(body):
+    split = http.ascii_decimal(header_length)
+    if split is None or split > len(body):
         raise InvalidParameter(f"{HEADER_LENGTH} must be a byte count within the body, got {header_length[:32]!r}")
-    split = int(text)
     return body[:split], memoryview(body)[split:]
 
 

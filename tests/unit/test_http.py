@@ -226,6 +226,18 @@ def test_byte_caps_per_part_and_for_the_whole_body():
     declared = Body(multipart(part("images", b"x")))
     outcome = parse(declared, max_files=2, part_limit=1000, headers={**MULTIPART, "Content-Length": str(cap + 1)})
     assert refused(outcome, errors.PayloadTooLarge, 413) and declared.read == 0
+    # A Content-Length in other digits ('²' is a latin-1 digit to str.isdigit, not to int) is no number: the
+    # body streams, and its real size decides.
+    small = parse(multipart(part("images", b"x")), max_files=2, part_limit=1000,
+                  headers={**MULTIPART, "Content-Length": "\u00b2"})
+    assert small == [("", b"x")]
+
+
+@pytest.mark.parametrize("raw, number", [("0", 0), ("007", 7), (" 12\t", 12), ("9" * 20, int("9" * 20)), ("", None),
+                                         ("9" * 21, None), ("\u00b2", None), ("\u0663", None), ("1_0", None),
+                                         ("+1", None), ("-1", None), ("1.0", None), ("1 0", None)])
+def test_a_whole_number_is_1_to_20_ascii_digits(raw, number):
+    assert http.ascii_decimal(raw) == number
 
 
 def test_part_headers_at_their_limits_are_read_one_more_line_or_byte_is_413():
