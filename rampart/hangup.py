@@ -104,4 +104,7 @@ async def serve_until_hang_up(app: Callable, scope: dict, receive: Callable, sen
     finally:
         if watcher is not None and not watcher.done():
             watcher.cancel()
+        # The watcher's context holds the request (BentoML's request variable), whose receive chain holds
+        # receive_body and so this cell: emptied, the request is freed without the cycle collector.
+        watcher = None
         _CURRENT.reset(token)

@@ -515,7 +515,10 @@ class AdmissionGate:
         rank = priority_rank(priority)
         shed = self.refusal(rank, budget_s)
         if shed is not None:
-            raise shed
+            try:
+                raise shed
+            finally:  # this frame, in the traceback, must not hold the exception: no reference cycle
+                del shed
         if self._full():
             self._evict(self._newest_below(rank))
         ticket = Ticket(self, rank, next(self._seq))

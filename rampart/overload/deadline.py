@@ -123,13 +123,17 @@ async def run_within(awaitable: Awaitable[T], timeout_s: float) -> T:
     milliseconds to tear down under load, and the answer must not wait for that.
     """
     task = asyncio.ensure_future(awaitable)
+    del awaitable  # a future is its own task
     try:
-        done, _ = await asyncio.wait([task], timeout=max(timeout_s, 0.0))
+        finished = bool((await asyncio.wait([task], timeout=max(timeout_s, 0.0)))[0])
     except asyncio.CancelledError:
         task.cancel()
         raise
-    if done:
-        return task.result()
+    if finished:
+        try:
+            return task.result()
+        finally:  # a raised result's traceback holds this frame, which then must not hold its task: no cycle
+            del task
     task.cancel()
     task.add_done_callback(lambda t: t.cancelled() or t.exception())  # nobody waits for it any more
     raise asyncio.TimeoutError(f"not finished within {timeout_s * 1000:.0f} ms")
