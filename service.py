@@ -243,10 +243,13 @@ class Rampart:
         return getattr(self.pipeline, role).gate.compute_s_per_image or None
 
     def loop_lag_ms(self) -> float:
-        """The event loop's recent lag (ms), kept back from each new deadline; starts the monitor."""
+        """The event loop's recent lag (ms), kept back from each new deadline; starts the monitor. Also
+        puts the collector's pauses since the last call in ``rampart_gc_pause_seconds``."""
         self.loop_lag.ensure_started()
         lag_ms = self.loop_lag.recent_ms
         metrics.LOOP_LAG.set(lag_ms / 1000.0)
+        for generation, pause_s in self.loop_lag.take_pauses():
+            metrics.GC_PAUSE.labels(str(generation)).observe(pause_s)
         return lag_ms
 
     async def stats_of_runner(self, role: str) -> dict | None:

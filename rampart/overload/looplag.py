@@ -6,30 +6,71 @@ leaves late. ``LoopLagMonitor`` sleeps ``interval_s`` in a loop and records how
 much longer each sleep took; ``recent_ms`` (the largest lag of the last
 ``window_s`` seconds) is kept back from every new request's deadline, so the
 pipeline stops early enough to answer on time while the loop is slow.
+
+A lag of ``STALL_MS`` or more is logged as a stall, with the time the cycle
+collector ran within it (it stops every thread of the process): a stall that
+was not the collector was the host (CPU contention, a paused VM) or blocking
+code on the loop. The collector's pauses of 1 ms or more are kept for
+``take_pauses`` (the service puts them in ``rampart_gc_pause_seconds``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import time
 from collections import deque
 
-__all__ = ["LoopLagMonitor"]
+__all__ = ["STALL_MS", "LoopLagMonitor"]
+
+logger = logging.getLogger(__name__)
+
+#: A lag this long or longer (ms) is logged as a stall: most of the 300 ms a client is allowed past its
+#: deadline (docs/overload.md), so an answer due during it may arrive late.
+STALL_MS = 200.0
+#: Collector pauses shorter than this (s) are not kept for ``take_pauses``: most young-generation
+#: collections, hundreds a second under load, each well under it.
+MIN_PAUSE_S = 0.001
 
 
 class LoopLagMonitor:
     """Measures the running loop's lag every ``interval_s`` s; ``recent_ms`` is the max over ``window_s`` s."""
 
-    def __init__(self, interval_s: float = 0.02, window_s: float = 2.0) -> None:
+    def __init__(self, interval_s: float = 0.02, window_s: float = 2.0, stall_ms: float = STALL_MS) -> None:
         self.interval_s = interval_s
         self.window_s = window_s
+        self.stall_ms = stall_ms
+        self.stalls = 0
         self._samples: deque[tuple[float, float]] = deque()
         self._task: asyncio.Task | None = None
+        self._collecting_since = 0.0
+        self._collector_s = 0.0  # the cycle collector's time so far (s)
+        self._pauses: deque[tuple[int, float]] = deque(maxlen=10_000)
 
     def ensure_started(self) -> None:
-        """Start measuring on the running loop (idempotent)."""
+        """Start measuring on the running loop, and timing the cycle collector (idempotent)."""
         if self._task is None or self._task.done():
+            if self._on_collection not in gc.callbacks:
+                gc.callbacks.append(self._on_collection)
             self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def take_pauses(self) -> list[tuple[int, float]]:
+        """The collector's pauses of at least ``MIN_PAUSE_S`` since the last call: (generation, seconds) each."""
+        pauses = []
+        while self._pauses:
+            pauses.append(self._pauses.popleft())
+        return pauses
+
+    def _on_collection(self, phase: str, info: dict) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._collecting_since = now
+            return
+        pause_s = now - self._collecting_since
+        self._collector_s += pause_s
+        if pause_s >= MIN_PAUSE_S:
+            self._pauses.append((info["generation"], pause_s))
 
     @property
     def recent_ms(self) -> float:
@@ -45,6 +86,11 @@ class LoopLagMonitor:
 
     async def _run(self) -> None:
         while True:
-            start = time.perf_counter()
+            start, collector_s = time.perf_counter(), self._collector_s
             await asyncio.sleep(self.interval_s)
-            self.record((time.perf_counter() - start - self.interval_s) * 1000.0)
+            lag_ms = (time.perf_counter() - start - self.interval_s) * 1000.0
+            self.record(lag_ms)
+            if lag_ms >= self.stall_ms:
+                self.stalls += 1
+                logger.warning("the event loop stalled for %.0f ms (%.0f ms of it in garbage collection)", lag_ms,
+                               (self._collector_s - collector_s) * 1000.0)

@@ -29,7 +29,7 @@ from rampart.overload.admission import PRIORITIES
 __all__ = [
     "QUEUE_DEPTH", "INFLIGHT_BATCHES", "ADMITTED", "REJECTED", "RESPONSES", "TTL_DROPPED", "FALLBACK", "DEGRADED",
     "BREAKER_STATE", "STAGE_SECONDS", "BATCH_SIZE", "INPUT_MEGAPIXELS", "TOP1_CONFIDENCE", "TOP1_CLASS",
-    "GPU_MEMORY_USED", "GPU_MEMORY_TOTAL", "PROCESS_RSS", "LOOP_LAG", "update_process_rss", "init_api_series",
+    "GPU_MEMORY_USED", "GPU_MEMORY_TOTAL", "PROCESS_RSS", "LOOP_LAG", "GC_PAUSE", "update_process_rss", "init_api_series",
     "init_runner_series", "INPUT_WARNINGS",
 ]
 
@@ -95,6 +95,9 @@ PROCESS_RSS = Gauge("rampart_process_resident_memory_bytes", "Resident memory of
                     ["role"], multiprocess_mode="liveall")
 LOOP_LAG = Gauge("rampart_event_loop_lag_seconds", "Largest event-loop lag of the API layer in the last 2 s.",
                  multiprocess_mode="livemax")
+GC_PAUSE = Histogram("rampart_gc_pause_seconds",
+                     "Pauses of the API layer's cycle collector of 1 ms or more, by generation (rampart/overload/looplag.py).",
+                     ["generation"], buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
 
 
 #: The fixed label values, created at start-up so every series exists (at 0) before its first event.
@@ -134,6 +137,8 @@ def init_api_series() -> None:
             PRIORITY_OUTCOMES_TOTAL.labels(priority, outcome)
     for stage in HANG_UP_STAGES:
         CLIENT_GONE.labels(stage)
+    for generation in (0, 1, 2):
+        GC_PAUSE.labels(str(generation))
 
 
 def init_runner_series(model: str) -> None:

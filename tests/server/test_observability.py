@@ -16,6 +16,7 @@ RAMPART_FAMILIES = {
     "rampart_ttl_dropped", "rampart_fallback", "rampart_degraded", "rampart_circuit_breaker_state",
     "rampart_stage_duration_seconds", "rampart_batch_size", "rampart_input_megapixels", "rampart_top1_confidence",
     "rampart_top1_class", "rampart_process_resident_memory_bytes", "rampart_event_loop_lag_seconds",
+    "rampart_gc_pause_seconds",
 }
 
 

@@ -68,6 +68,12 @@ def two_workers(start_server):
     return start_server(RAMPART_API_WORKERS=2)
 
 
+def stalls(server) -> list[str]:
+    """The server's last event-loop stall warnings (``rampart.overload.looplag``): what a late answer met."""
+    return [line for line in server.log_path.read_text(errors="replace").splitlines()
+            if "event loop stalled" in line][-10:]
+
+
 def breaker_states(server) -> dict[str, float]:
     """``rampart_circuit_breaker_state`` per model from ``/metrics``: the worst of the API workers' breakers."""
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
@@ -104,7 +110,7 @@ def test_high_priority_burst_is_shed_less_and_served_more(two_workers):
     assert served_rate(high) > served_rate(normal), report
     late = [(s.high, round(s.latency_ms), s.status, s.degraded_reason) for s in samples
             if s.latency_ms > s.deadline_ms + SLACK_MS]
-    assert not late, (report, late[:20])
+    assert not late, (report, late[:20], stalls(server))
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +152,7 @@ def test_five_times_capacity_open_loop(overload_server):
     assert {s.status for s in samples} <= {200, 429}, report  # every request answered: a result or a shed
     late = [(round(s.sent_s, 2), round(s.latency_ms), s.server_ms, s.status, s.degraded_reason) for s in samples
             if s.latency_ms > s.deadline_ms + SLACK_MS]
-    assert not late, (report, late[:20])
+    assert not late, (report, late[:20], stalls(server))
     # Served: a 200 within the deadline, full or degraded (the static answer is the chain's last step).
     served = [s for s in samples if s.status == 200 and s.latency_ms <= s.deadline_ms]
     assert len(served) >= MIN_GOODPUT[workers] * c * OVERLOAD_SECONDS, report

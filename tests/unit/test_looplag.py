@@ -1,0 +1,58 @@
+"""The event-loop lag monitor: a loop blocked past ``STALL_MS`` is logged as a stall, with the collector's share."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+
+import pytest
+
+from rampart.overload.looplag import STALL_MS, LoopLagMonitor
+
+
+def cyclic_garbage(count: int) -> None:
+    """Leave ``count`` two-object reference cycles for the collector."""
+    for _ in range(count):
+        a, b = [], []
+        a.append(b)
+        b.append(a)
+
+
+async def block_the_loop(monitor: LoopLagMonitor, collect: bool) -> None:
+    monitor.ensure_started()
+    await asyncio.sleep(0.05)
+    started = time.perf_counter()
+    if collect:
+        cyclic_garbage(200_000)
+        gc.collect()
+    while time.perf_counter() - started < (STALL_MS + 100) / 1000:  # the loop runs nothing meanwhile
+        pass
+    await asyncio.sleep(0.05)
+
+
+@pytest.fixture
+def monitor():
+    """A monitor, its collector callback removed after the test."""
+    monitor = LoopLagMonitor()
+    yield monitor
+    if monitor._on_collection in gc.callbacks:
+        gc.callbacks.remove(monitor._on_collection)
+
+
+def test_a_blocked_loop_is_a_logged_stall_and_the_recent_lag(monitor, caplog):
+    with caplog.at_level(logging.WARNING, logger="rampart.overload.looplag"):
+        asyncio.run(block_the_loop(monitor, collect=False))
+    assert monitor.stalls == 1 and monitor.recent_ms >= STALL_MS
+    assert [r.getMessage().endswith("(0 ms of it in garbage collection)") for r in caplog.records] == [True]
+
+
+def test_the_collector_s_share_of_a_stall_is_logged_and_its_pauses_are_kept(monitor, caplog):
+    with caplog.at_level(logging.WARNING, logger="rampart.overload.looplag"):
+        asyncio.run(block_the_loop(monitor, collect=True))
+    (record,) = caplog.records
+    assert "stalled" in record.getMessage() and "(0 ms of it" not in record.getMessage()
+    pauses = monitor.take_pauses()
+    assert any(generation == 2 for generation, _ in pauses) and all(pause_s >= 0.001 for _, pause_s in pauses)
+    assert monitor.take_pauses() == []
