@@ -31,7 +31,8 @@ ROUNDS = 5
 LOW_CLIENTS = 24
 #: Normal P99 beside the low stream at most this multiple of normal P99 without it. The goal is 1.2. On the
 #: 2-core host, 3 rounds a run, 1.51 was measured in CI, and 0.75, 0.97, 1.21, 1.24 and 2.11 with the service
-#: prediction (median 1.21): the primary's core is
+#: prediction (median 1.21); 5 rounds a run, with requests freed without the cycle collector (docs/overload.md,
+#: "Event-loop stalls"), 1.19, 1.19 and 1.18 on the quiet host, too close to 1.2 to assert it: the primary's core is
 #: only lent (a low image computing when a normal one arrives finishes first, at most one, ``low_window``), but
 #: each low request also costs the API worker and a decoder on the other core, which slows the primary's compute
 #: (docs/overload.md, "Predicting completion"), and at 0.8 C_p a slower model lengthens the queue's tail fast.
