@@ -10,8 +10,12 @@ pipeline stops early enough to answer on time while the loop is slow.
 A lag of ``STALL_MS`` or more is logged as a stall, with the time the cycle
 collector ran within it (it stops every thread of the process): a stall that
 was not the collector was the host (CPU contention, a paused VM) or blocking
-code on the loop. The collector's pauses of 1 ms or more are kept for
-``take_pauses`` (the service puts them in ``rampart_gc_pause_seconds``).
+code on the loop. A watchdog thread notes where the loop's thread was once
+the loop has been late by half of ``STALL_MS`` (``sys._current_frames``), and the
+warning names that code: a frame of the selector's wait means the loop had
+nothing to run, so the process itself was not scheduled. The collector's pauses
+of 1 ms or more are kept for ``take_pauses`` (the service puts them in
+``rampart_gc_pause_seconds``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import sys
+import threading
 import time
+import traceback
 from collections import deque
 
 __all__ = ["STALL_MS", "LoopLagMonitor"]
@@ -32,6 +39,8 @@ STALL_MS = 200.0
 #: Collector pauses shorter than this (s) are not kept for ``take_pauses``: most young-generation
 #: collections, hundreds a second under load, each well under it.
 MIN_PAUSE_S = 0.001
+#: Innermost frames of the loop's thread shown with a stall.
+STALL_FRAMES = 4
 
 
 class LoopLagMonitor:
@@ -47,13 +56,31 @@ class LoopLagMonitor:
         self._collecting_since = 0.0
         self._collector_s = 0.0  # the cycle collector's time so far (s)
         self._pauses: deque[tuple[int, float]] = deque(maxlen=10_000)
+        self._due = float("inf")  # perf_counter time the monitor's sleep should end
+        self._where: str | None = None  # where the loop's thread was, once the current sleep was half a stall late
+        self._watchdog: threading.Thread | None = None
 
     def ensure_started(self) -> None:
-        """Start measuring on the running loop, and timing the cycle collector (idempotent)."""
+        """Start measuring on the running loop, timing the cycle collector and watching for stalls (idempotent)."""
         if self._task is None or self._task.done():
             if self._on_collection not in gc.callbacks:
                 gc.callbacks.append(self._on_collection)
             self._task = asyncio.get_running_loop().create_task(self._run())
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, args=(threading.get_ident(),),
+                                              name="rampart-loop-watchdog", daemon=True)
+            self._watchdog.start()
+
+    def _watch(self, loop_thread: int) -> None:
+        """Every ``interval_s``: once the monitor's sleep is half of ``stall_ms`` overdue, note the loop thread's frames
+        (half: a watchdog that waits for the whole of it sees little of a stall just over it)."""
+        while True:
+            time.sleep(self.interval_s)
+            if self._where is None and time.perf_counter() - self._due >= self.stall_ms / 2000.0:
+                frame = sys._current_frames().get(loop_thread)
+                if frame is not None:
+                    stack = traceback.extract_stack(frame)[-STALL_FRAMES:]
+                    self._where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in reversed(stack))
 
     def take_pauses(self) -> list[tuple[int, float]]:
         """The collector's pauses of at least ``MIN_PAUSE_S`` since the last call: (generation, seconds) each."""
@@ -87,10 +114,12 @@ class LoopLagMonitor:
     async def _run(self) -> None:
         while True:
             start, collector_s = time.perf_counter(), self._collector_s
+            self._due, self._where = start + self.interval_s, None
             await asyncio.sleep(self.interval_s)
             lag_ms = (time.perf_counter() - start - self.interval_s) * 1000.0
             self.record(lag_ms)
             if lag_ms >= self.stall_ms:
                 self.stalls += 1
-                logger.warning("the event loop stalled for %.0f ms (%.0f ms of it in garbage collection)", lag_ms,
-                               (self._collector_s - collector_s) * 1000.0)
+                logger.warning("the event loop stalled for %.0f ms (%.0f ms of it in garbage collection); "
+                               "its thread was at: %s", lag_ms, (self._collector_s - collector_s) * 1000.0,
+                               self._where or "not seen")
