@@ -205,34 +205,44 @@ class BucketedRunner:
         else:
             lifecycle_log.warning("%s runner: entry service still running after %.0f s; exiting anyway", self.role, limit_s)
 
-    def run_bucket(self, bucket_name: str, items: list[RunnerItem]) -> list[RunnerResult]:
-        """Compute one adaptive batch of ``bucket_name`` items; returns one result per item."""
-        bucket = self.buckets[bucket_name]
+    def _live(self, items: list[RunnerItem]) -> list[int]:
+        """Indices of the items whose deadline (epoch s) is still ahead; the others are counted as TTL drops."""
         now = time.time()
         live = [i for i, item in enumerate(items) if item.deadline_epoch_s > now]
-        results = [RunnerResult(expired=True) for _ in items]
-        with self._lock:
-            self.ttl_dropped += len(items) - len(live)
         if len(live) < len(items):
+            with self._lock:
+                self.ttl_dropped += len(items) - len(live)
             metrics.TTL_DROPPED.labels(self.role).inc(len(items) - len(live))
-        if not live:
-            return results
-        for i in live:
-            if items[i].pixels.shape != bucket.shape:
-                raise ValueError(
-                    f"bucket {bucket_name!r} expects {bucket.shape}, got {items[i].pixels.shape}: a batch never mixes shapes"
-                )
-        batch = np.stack([items[i].pixels for i in live]).astype(np.uint8, copy=False)
+        return live
+
+    def run_bucket(self, bucket_name: str, items: list[RunnerItem]) -> list[RunnerResult]:
+        """Compute one adaptive batch of ``bucket_name`` items; returns one result per item.
+
+        Items whose deadline has passed are not computed (``RunnerResult(expired=True)``): checked after an
+        injected delay or hang (``rampart.faults``), so a stalled runner that resumes drops what expired
+        meanwhile instead of spending CPU or GPU time on answers nobody waits for.
+        """
+        bucket = self.buckets[bucket_name]
         inflight = metrics.INFLIGHT_BATCHES.labels(self.role)
         inflight.inc()
         try:
             self.faults.before_batch()
+            live = self._live(items)
+            if not live:
+                return [RunnerResult(expired=True) for _ in items]
+            for i in live:
+                if items[i].pixels.shape != bucket.shape:
+                    raise ValueError(
+                        f"bucket {bucket_name!r} expects {bucket.shape}, got {items[i].pixels.shape}: a batch never mixes shapes"
+                    )
+            batch = np.stack([items[i].pixels for i in live]).astype(np.uint8, copy=False)
             start = time.perf_counter()
             step = self.compute_batch_size
             probs = np.concatenate([self.engine.predict(batch[i:i + step]) for i in range(0, len(batch), step)])
             inference_ms = (time.perf_counter() - start) * 1000.0
         finally:
             inflight.dec()
+        results = [RunnerResult(expired=True) for _ in items]
         metrics.BATCH_SIZE.labels(self.role, bucket_name).observe(len(live))
         metrics.update_process_rss(self.role)
         gpu = getattr(self.engine, "gpu_memory", lambda: None)()
