@@ -72,15 +72,16 @@ def classify(client: httpx.Client, url: str, body: bytes) -> tuple[float, httpx.
     return (time.perf_counter() - started) * 1000.0, response
 
 
-def wait_for(condition, timeout_s: float = 20.0):
-    """Poll ``condition()`` until it returns something truthy; returns it (fails the test on timeout)."""
+def wait_for(condition, timeout_s: float = 20.0, describe=None):
+    """Poll ``condition()`` until it returns something truthy; returns it. On timeout the test fails, with
+    ``describe()`` (what was seen last, e.g. the shadow's stats) in the message when given."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = condition()
         if value:
             return value
         time.sleep(0.1)
-    pytest.fail(f"condition not met within {timeout_s} s")
+    pytest.fail(f"condition not met within {timeout_s} s" + (f": {describe()}" if describe else ""))
 
 
 @pytest.fixture(scope="module")
@@ -125,8 +126,9 @@ def test_agreement_is_recorded_and_each_disagreement_logged(shadow_server):
             assert response.status_code == 200 and answer["labels"], answer
             assert "shadow" not in json.dumps(answer)  # the answer itself is untouched
             sent_ids.add(answer["request_id"])
-            wait_for(lambda: shadow_stats(shadow_server)["in_flight"] == 0)
-    after = wait_for(lambda: (s := shadow_stats(shadow_server))["compared"] >= before["compared"] + 12 and s)
+            wait_for(lambda: shadow_stats(shadow_server)["in_flight"] == 0, describe=lambda: (before, shadow_stats(shadow_server)))
+    after = wait_for(lambda: (s := shadow_stats(shadow_server))["compared"] >= before["compared"] + 12 and s,
+                     describe=lambda: (before, shadow_stats(shadow_server)))
     assert after["mirrored"] - before["mirrored"] == after["compared"] - before["compared"] == 12, (before, after)
     assert after["failed"] == before["failed"] and after["skipped_busy"] == before["skipped_busy"], (before, after)
     # The candidate is EfficientNet-Lite0, the primary Lite2: they mostly share their top-5 classes.
