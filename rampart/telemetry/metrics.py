@@ -30,7 +30,7 @@ __all__ = [
     "QUEUE_DEPTH", "INFLIGHT_BATCHES", "ADMITTED", "REJECTED", "RESPONSES", "TTL_DROPPED", "FALLBACK", "DEGRADED",
     "BREAKER_STATE", "STAGE_SECONDS", "BATCH_SIZE", "INPUT_MEGAPIXELS", "TOP1_CONFIDENCE", "TOP1_CLASS",
     "GPU_MEMORY_USED", "GPU_MEMORY_TOTAL", "PROCESS_RSS", "LOOP_LAG", "GC_PAUSE", "update_process_rss", "init_api_series",
-    "init_runner_series", "INPUT_WARNINGS",
+    "init_runner_series", "INPUT_WARNINGS", "ACCESS_LOG_DROPPED",
 ]
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0)
@@ -61,6 +61,9 @@ DEGRADED = Counter("rampart_degraded_total", "Degraded answers by degraded_reaso
 CLIENT_GONE = Counter("rampart_client_gone_total",
                       "Requests whose client closed the connection before the answer, by where they were "
                       "(rampart.hangup.STAGES): their places were released and they were not answered.", ["stage"])
+ACCESS_LOG_DROPPED = Counter("rampart_access_log_dropped_total",
+                             "Access-log lines dropped because the log's writer thread was that many lines behind "
+                             "(rampart.telemetry.accesslog.ACCESS_LOG_QUEUE_LINES): stderr was not being read.")
 BREAKER_STATE = Gauge(
     "rampart_circuit_breaker_state", "Circuit breaker state: 0 closed, 1 half-open, 2 open.", ["model"],
     multiprocess_mode="livemax",

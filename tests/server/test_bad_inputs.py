@@ -6,7 +6,6 @@ import json
 import os
 import socket
 import struct
-import time
 
 import httpx
 import numpy as np
@@ -14,7 +13,7 @@ import psutil
 import pytest
 from PIL import Image
 
-from tests.support import PHOTOS, encode, photo
+from tests.support import PHOTOS, encode, logged_lines, photo
 from tests.support.decoding import png_bomb
 
 
@@ -194,11 +193,6 @@ def test_client_hanging_up_mid_body_is_logged_as_499_not_500(server):
     with socket.create_connection(("127.0.0.1", server.port)) as sock:
         sock.sendall(b"POST /classify HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\nX-Request-Id: hang-up\r\n\r\n"
                      + b"\xff\xd8\xff")
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        lines = [line for line in server.log_path.read_text(errors="replace").splitlines() if '"hang-up"' in line]
-        if lines:
-            break
-        time.sleep(0.2)
+    lines = logged_lines(server, '"hang-up"')
     assert lines and json.loads(lines[0])["status"] == 499 and json.loads(lines[0])["code"] == "client_disconnected"
 

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from rampart.inputs import recovery
-from tests.support import ROOT
+from tests.support import ROOT, logged_lines
 from tests.support.metrics import scrape, total
 from tests.support.damage import BENIGN, ORIGINALS, TRUNCATED, original
 
@@ -36,8 +36,8 @@ def test_server_classifies_every_benign_fault_like_the_undamaged_photo(server):
         grew = total(after, "rampart_input_warnings_total", warning=warning) - total(
             before, "rampart_input_warnings_total", warning=warning)
         assert grew == received, (warning, grew, received)
-    log = [json.loads(line) for line in server.log_path.read_text(errors="replace").splitlines()
-           if '"benign-damage-' in line]
+    log = [json.loads(line) for line in logged_lines(
+        server, '"benign-damage-', count=sum(a["request_id"].startswith("benign-damage-") for a in answers))]
     for index, (_, _, _, warnings) in enumerate(BENIGN):
         sent = sum(answer["request_id"] == f"benign-damage-{index}" for answer in answers)
         lines = [line for line in log if line["request_id"] == f"benign-damage-{index}"]

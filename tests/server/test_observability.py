@@ -7,7 +7,7 @@ import re
 
 import httpx
 
-from tests.support import PHOTOS, encode, photo
+from tests.support import PHOTOS, encode, logged_lines, photo
 from tests.support.metrics import dashboard_metrics, missing_metrics, scrape, total
 
 #: Every rampart_* family docs/observability.md and the dashboard promise (name as the parser reports it).
@@ -16,7 +16,7 @@ RAMPART_FAMILIES = {
     "rampart_ttl_dropped", "rampart_fallback", "rampart_degraded", "rampart_circuit_breaker_state",
     "rampart_stage_duration_seconds", "rampart_batch_size", "rampart_input_megapixels", "rampart_top1_confidence",
     "rampart_top1_class", "rampart_process_resident_memory_bytes", "rampart_event_loop_lag_seconds",
-    "rampart_gc_pause_seconds",
+    "rampart_gc_pause_seconds", "rampart_access_log_dropped",
 }
 
 
@@ -60,7 +60,7 @@ def test_request_id_server_timing_and_one_json_log_line(server):
     assert set(timing) == {"before_handler", "decode", "queue", "inference", "total"}
     assert float(timing["total"]) >= float(timing["inference"]) > 0
 
-    lines = [line for line in server.log_path.read_text(errors="replace").splitlines() if '"obs-test-1"' in line]
+    lines = logged_lines(server, '"obs-test-1"')
     assert len(lines) == 1, lines
     entry = json.loads(lines[0])
     assert entry["status"] == 200 and entry["code"] == "ok" and entry["path"] == "/classify"
@@ -69,7 +69,7 @@ def test_request_id_server_timing_and_one_json_log_line(server):
 
     bad = httpx.post(f"{server.url}/classify", content=b"", headers={"X-Request-Id": "obs-test-2"}, timeout=30)
     assert bad.status_code == 400
-    (bad_line,) = [line for line in server.log_path.read_text(errors="replace").splitlines() if '"obs-test-2"' in line]
+    (bad_line,) = logged_lines(server, '"obs-test-2"')
     assert json.loads(bad_line)["code"] == "empty_body"
 
 
@@ -85,6 +85,7 @@ def test_one_log_line_per_request(server):
         # /stats calls both runners (its copy of their counters is older than STATS_RUNNER_REFRESH_MS, 500 ms, after
         # 12 requests): once it answers, their lines for the batches before it are written.
         assert client.get("/stats").status_code == 200
+    logged_lines(server, '"obs-count-', count=requests)
     new = server.log_path.read_text(errors="replace").splitlines()[before:]
     ours = [line for line in new if '"obs-count-' in line]
     assert len(ours) == requests, ours

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 from pathlib import Path
 
 import numpy as np
@@ -40,3 +41,15 @@ def encode(array_or_image, fmt: str = "JPEG", **save_kwargs) -> bytes:
     buffer = io.BytesIO()
     image.save(buffer, format=fmt, **save_kwargs)
     return buffer.getvalue()
+
+
+def logged_lines(server, marker: str, count: int = 1, timeout_s: float = 10.0) -> list[str]:
+    """The lines of ``server``'s log that contain ``marker``, once ``count`` of them are there (the log read every
+    0.05 s, for at most ``timeout_s``: an access line is written by a writer thread after its answer is sent,
+    ``rampart.telemetry.accesslog``); what is there at the end, fewer if they never came."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        lines = [line for line in server.log_path.read_text(errors="replace").splitlines() if marker in line]
+        if len(lines) >= count or time.monotonic() > deadline:
+            return lines
+        time.sleep(0.05)
