@@ -14,9 +14,8 @@ The event loop never writes a line itself: ``log_request`` appends it to a bound
 ``ACCESS_LOG_FLUSH_S``, in one write (``BatchedStderrHandler``). A write to stderr blocks
 whenever whatever reads it falls behind (a full pipe to a container runtime's log reader, a
 file under writeback): 268 ms of the API worker's loop inside ``StreamHandler.emit`` was
-seen here at 5x overload. A line is therefore
-written shortly after its answer is sent, not before; lines that would overflow the queue are
-dropped and counted (``rampart_access_log_dropped_total``), so a stalled reader costs neither
+seen here at 5x overload. A line is therefore written shortly after its answer is sent, not
+before; lines that would overflow the queue are dropped and counted (``rampart_access_log_dropped_total``), so a stalled reader costs neither
 the loop's time nor unbounded memory. The thread is started in the process that logs (again
 after a fork) and stopped at exit, after writing what is waiting.
 """
@@ -69,7 +68,8 @@ class BatchedStderrHandler(logging.Handler):
 
     def _after_fork(self) -> None:
         self.lines.clear()
-        self._start()
+        if not self._stopped.is_set():  # a closed handler stays closed in the child
+            self._start()
 
     def emit(self, record: logging.LogRecord) -> None:
         if len(self.lines) >= self.max_lines:
