@@ -188,6 +188,11 @@ class DecodeSettings(_Group):
     nice: int = Field(5, ge=0, le=19, description="niceness of the decode workers")
     timeout_ms: int = Field(3000, gt=0, description="longest one decode may run (422 `decode_timeout`; the worker is "
                             "killed and replaced)")
+    png_decoder: Literal["libspng", "pillow"] = Field("libspng", description="`libspng`: a plain 8-bit RGB PNG "
+                                                      "small enough to need no shrink is decoded by libspng, the same "
+                                                      "pixels at about 0.6× Pillow's CPU; anything libspng refuses "
+                                                      "goes to Pillow ([decoding.md](decoding.md)); `pillow`: always "
+                                                      "Pillow")
     # 1.0: measured top-1 agreement in docs/decoding.md.
     oversample: float = Field(1.0, ge=1.0, le=8.0, description="source pixels per output pixel (each axis) the "
                               "decoder keeps: a JPEG is decoded at 1/2, 1/4 or 1/8 scale and any frame box-reduced "

@@ -126,6 +126,7 @@ def decode_limits(settings: Settings, buckets: list[Bucket]) -> DecodeLimits:
         alpha_background=settings.inputs.alpha_background,
         max_jpeg_scans=settings.inputs.max_jpeg_scans,
         max_chunks=settings.inputs.max_chunks,
+        png_decoder=settings.decoding.png_decoder,
     )
 
 
