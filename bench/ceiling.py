@@ -34,7 +34,13 @@ calls back to back) and the naive decode are measured in this process on the sam
 Rampart round reports ``decode_vs_naive`` and ``decode_vs_lean``: its decode pool's CPU per
 request over the naive server's whole decode and over the *lean reference* (``lean_decode``:
 Pillow's ``draft("RGB", bucket size)``, then one resize to the bucket: what the pixels the
-model needs cost at least), all measured in the same run. ONNX
+model needs cost at least), all measured in the same run. Those two are measured in this
+process, alone on a core; the decode pool is measured while serving, beside the API worker,
+the runners and the client (this host's two vCPUs are one core's hyperthreads, and a decode
+costs about a fifth more with a busy neighbour). So each Rampart round also reports
+``decode_vs_naive_served``: over ``naive_decode_served_us``, the naive server's own decode CPU
+per image in its round with the same body (its ``/stats``: the loop thread's CPU time inside
+``naive_pixels``), both then measured where they are served. ONNX
 Runtime's threads spin-wait after each call (``model_at_100_per_s`` shows what that
 costs when calls are apart); ``model`` leaves that out, so it counts as overhead. The API
 process's own part of decoding (format sniffing, header checks, the pipe to the pool)
@@ -286,6 +292,15 @@ def measure_round(service, body: bytes, connections: int, duration_s: float, dea
             "processes": {role: roles[role]["processes"] for role in ROLES}}
 
 
+def served_decode_us(before: dict | None, after: dict | None) -> float | None:
+    """The naive server's decode CPU per image (µs) between two of its ``/stats`` bodies
+    (``bench.baselines.naive_fastapi``); None when either is missing or no image was decoded."""
+    if not before or not after or after["decodes"] <= before["decodes"]:
+        return None
+    spent = (after["decode_cpu_s"] - before["decode_cpu_s"]) / (after["decodes"] - before["decodes"])
+    return round(spent * 1e6, 1)
+
+
 def with_breakdown(run: dict, costs: dict, naive: bool) -> dict:
     """``run`` (``measure_round``) plus ``decode_us``, ``model_us`` and ``serving_overhead_us`` (module doc),
     and whether the overhead is within the 1 ms target (``OVERHEAD_TARGET_US``)."""
@@ -351,11 +366,18 @@ def ceiling_scenario(out: Path, quick: bool, deadline_ms: float = DEADLINE_MS) -
             for body_name, body in bodies.items():
                 if warm_s:
                     run_sync(closed_loop_round(service.url, [body], connections, warm_s, deadline_ms))
+                before = service.stats() if name == "naive" else None
                 run = measure_round(service, body, connections, round_s, deadline_ms, root_role)
+                if before is not None:
+                    run["naive_decode_served_us"] = served_decode_us(before, service.stats())
                 runs[label][body_name] = with_breakdown(run, costs[body_name], naive=name == "naive")
         finally:
             service.stop()
         wall.setdefault(label, {})["total"] = round(time.monotonic() - started, 1)
+    for label in runs:
+        for body in bodies if label != "naive" else ():
+            runs[label][body]["decode_vs_naive_served"] = _share(runs[label][body]["decode_us"],
+                                                                 runs["naive"][body].get("naive_decode_served_us") or 0)
     ratios = {label: {body: ratio(runs[label][body]["throughput_rps"], runs["naive"][body]["throughput_rps"])
                       for body in bodies} for label in runs if label != "naive"}
     return {
@@ -387,6 +409,9 @@ def plot_ceiling(report: dict, path: Path) -> None:
     series = {f"{label} decode pool": [report["runs"][label][body]["decode_us"] for body in bodies]
               for label in report["runs"] if label != "naive"}
     series["naive decode"] = [report["in_process_us"][body]["naive_decode"] for body in bodies]
+    if "naive" in report["runs"]:
+        series["naive decode, served"] = [report["runs"]["naive"][body].get("naive_decode_served_us") or 0
+                                          for body in bodies]
     series["lean reference"] = [report["in_process_us"][body]["lean_decode"] for body in bodies]
     width = 0.8 / len(series)
     for index, (name, values) in enumerate(series.items()):

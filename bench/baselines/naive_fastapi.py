@@ -2,11 +2,17 @@
 
 No admission control, no deadlines, no fallback: every request waits in the
 queue, however long. Run: ``uvicorn bench.baselines.naive_fastapi:app --port P``.
+
+``GET /stats`` says what its decoding has cost while serving: ``decode_cpu_s`` (the
+CPU seconds of the event loop's thread inside ``naive_pixels``) over ``decodes``
+images, so a benchmark compares a decode measured where it is served with Rampart's
+decode pool measured the same way (``bench.ceiling``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 from fastapi import FastAPI, Request
@@ -19,6 +25,7 @@ MAX_BATCH = 8
 app = FastAPI()
 engine, labels, resolution = load_primary()
 queue: asyncio.Queue = asyncio.Queue()
+decoding = {"decode_cpu_s": 0.0, "decodes": 0}
 
 
 async def batcher() -> None:
@@ -47,7 +54,17 @@ async def start() -> None:
 @app.post("/classify")
 async def classify(request: Request) -> dict:
     """Raw image body in, top-5 labels out, after however long the queue takes."""
-    pixels = naive_pixels(await request.body(), resolution)
+    body = await request.body()
+    started = time.thread_time()
+    pixels = naive_pixels(body, resolution)
+    decoding["decode_cpu_s"] += time.thread_time() - started
+    decoding["decodes"] += 1
     future = asyncio.get_running_loop().create_future()
     await queue.put((pixels, future))
     return answer(await future, labels)
+
+
+@app.get("/stats")
+async def stats() -> dict:
+    """The CPU its decoding has cost so far: ``decode_cpu_s`` (s) over ``decodes`` (images)."""
+    return dict(decoding)

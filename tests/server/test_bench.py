@@ -73,6 +73,8 @@ def test_load_bench_quick_runs_end_to_end_with_both_baselines(tmp_path):
         run = ceiling["runs"]["rampart_2_workers"][body]
         assert run["decode_vs_naive"] > 0 and run["decode_vs_lean"] > 0, run
         assert ceiling["in_process_us"][body]["lean_decode"] > 0
+        # and beside the naive server's decode measured where it is served (its /stats)
+        assert ceiling["runs"]["naive"][body]["naive_decode_served_us"] > 0 and run["decode_vs_naive_served"] > 0
     costs = ceiling["in_process_us"]["phone_jpeg"]  # the phone photo is decoded at the bucket's scale, not the file's
     assert costs["rampart_decode"] < 0.6 * costs["naive_decode"], costs
     assert (tmp_path / "ceiling.png").stat().st_size > 0

@@ -68,3 +68,11 @@ def test_roles_of_a_server_tree_and_the_cpu_they_spend():
             child.kill()
         root.kill()
         root.wait()
+
+
+def test_the_naive_servers_served_decode_is_the_cpu_per_image_between_two_of_its_stats():
+    from bench.ceiling import served_decode_us
+
+    before, after = {"decode_cpu_s": 1.0, "decodes": 100}, {"decode_cpu_s": 1.5, "decodes": 300}
+    assert served_decode_us(before, after) == 2500.0
+    assert served_decode_us(before, before) is None and served_decode_us(None, after) is None
