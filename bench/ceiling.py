@@ -29,8 +29,9 @@ CPU per request is each role's CPU seconds over the round divided by the request
 answered in it (µs). *Serving overhead* is everything except decoding and the model:
 for Rampart ``api + runners + supervisor − model``, for the naive baseline
 ``api − its decode − model``, where ``model`` (the engine's CPU per image at batch 1,
-calls back to back) and the naive decode are measured in this process on the same bodies
-(``in_process_costs``); Rampart's decoding is what ``decode_pool`` measured. Beside it, each
+calls back to back) is measured in this process on the same bodies (``in_process_costs``),
+the naive decode in the naive server's round (``naive_decode_served_us``, below; in this
+process when its ``/stats`` does not answer); Rampart's decoding is what ``decode_pool`` measured. Beside it, each
 Rampart round reports ``decode_vs_naive`` and ``decode_vs_lean``: its decode pool's CPU per
 request over the naive server's whole decode and over the *lean reference* (``lean_decode``:
 Pillow's ``draft("RGB", bucket size)``, then one resize to the bucket: what the pixels the
@@ -306,8 +307,8 @@ def with_breakdown(run: dict, costs: dict, naive: bool) -> dict:
     and whether the overhead is within the 1 ms target (``OVERHEAD_TARGET_US``)."""
     cpu = run["cpu_us_per_request"]
     model = costs["model"]
-    if naive:
-        decode = costs["naive_decode"]
+    if naive:  # its decode as measured where it is served, when its /stats said so
+        decode = run.get("naive_decode_served_us") or costs["naive_decode"]
         overhead = cpu["api"] - decode - model
     else:
         decode = cpu["decode_pool"]
