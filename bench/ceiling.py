@@ -41,7 +41,9 @@ the runners and the client (this host's two vCPUs are one core's hyperthreads, a
 costs about a fifth more with a busy neighbour). So each Rampart round also reports
 ``decode_vs_naive_served``: over ``naive_decode_served_us``, the naive server's own decode CPU
 per image in its round with the same body (its ``/stats``: the loop thread's CPU time inside
-``naive_pixels``), both then measured where they are served. ONNX
+``naive_pixels``), both then measured where they are served. In this process the three
+decodes take turns round by round, and ``decode_vs_naive_side_by_side`` is the median of the
+rounds' Rampart ÷ naive: the one ratio a host whose speed drifts during the run cannot bend. ONNX
 Runtime's threads spin-wait after each call (``model_at_100_per_s`` shows what that
 costs when calls are apart); ``model`` leaves that out, so it counts as overhead. The API
 process's own part of decoding (format sniffing, header checks, the pipe to the pool)
@@ -60,6 +62,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -211,6 +214,19 @@ def _cpu_us(function, repeats: int) -> float:
     return (time.process_time() - start) / repeats * 1e6
 
 
+def _alternated_cpu_us(functions: dict, repeats: int) -> dict[str, list[float]]:
+    """Per name, the mean CPU µs of its function in each of up to 10 rounds (``repeats`` calls in all, split
+    into rounds, after one warm-up call each); the functions take turns round by round, so a host whose
+    speed drifts during the measurement slows them alike and their per-round ratios stay true."""
+    rounds = max(1, min(10, repeats // 5))
+    per_round = max(1, repeats // rounds)
+    out: dict[str, list[float]] = {name: [] for name in functions}
+    for _ in range(rounds):
+        for name, function in functions.items():
+            out[name].append(_cpu_us(function, per_round))
+    return out
+
+
 def _paced_cpu_us(function, rate: float, calls: int) -> float:
     """Mean CPU time of ``function()`` in this process (all threads), µs, when called ``rate`` times a second."""
     function()
@@ -234,7 +250,9 @@ def lean_pixels(data: bytes, bucket) -> np.ndarray:
 
 
 def in_process_costs(onnx_path: Path, bodies: dict[str, bytes], repeats: int) -> dict[str, dict]:
-    """Per body, the CPU µs in this process of: ``rampart_decode`` (``rampart.inputs.decode_job.prepare``
+    """Per body, the CPU µs in this process of (the three decodes alternated round by round, ``_alternated_cpu_us``,
+    each the median of its rounds, and ``decode_vs_naive_side_by_side`` the median of the rounds'
+    ``rampart_decode`` ÷ ``naive_decode``): ``rampart_decode`` (``rampart.inputs.decode_job.prepare``
     with the service's default ``DecodePlan`` for two 260 px models, as the decode pool runs it),
     ``naive_decode`` (``bench.baselines.common.naive_pixels``: full decode, RGB, squash to 260×260),
     ``lean_decode`` (``lean_pixels`` for the body's bucket),
@@ -257,10 +275,13 @@ def in_process_costs(onnx_path: Path, bodies: dict[str, bytes], repeats: int) ->
     out = {}
     for name, body in bodies.items():
         bucket, pixels = prepare(body, plan).inputs["primary"]
+        decodes = _alternated_cpu_us({"rampart_decode": lambda: prepare(body, plan),
+                                      "naive_decode": lambda: naive_pixels(body, NEAR_FREE_RESOLUTION),
+                                      "lean_decode": lambda: lean_pixels(body, bucket)}, repeats)
         out[name] = {
-            "rampart_decode": round(_cpu_us(lambda: prepare(body, plan), repeats), 1),
-            "naive_decode": round(_cpu_us(lambda: naive_pixels(body, NEAR_FREE_RESOLUTION), repeats), 1),
-            "lean_decode": round(_cpu_us(lambda: lean_pixels(body, bucket), repeats), 1),
+            **{key: round(statistics.median(rounds), 1) for key, rounds in decodes.items()},
+            "decode_vs_naive_side_by_side": round(statistics.median(
+                mine / naive for mine, naive in zip(decodes["rampart_decode"], decodes["naive_decode"])), 3),
             "model": round(_cpu_us(lambda: engine.predict(pixels[None]), repeats), 1),
             "model_at_100_per_s": round(_paced_cpu_us(lambda: engine.predict(pixels[None]), 100.0, 2 * repeats), 1),
             "bucket": bucket.name,

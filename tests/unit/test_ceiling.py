@@ -76,3 +76,23 @@ def test_the_naive_servers_served_decode_is_the_cpu_per_image_between_two_of_its
     before, after = {"decode_cpu_s": 1.0, "decodes": 100}, {"decode_cpu_s": 1.5, "decodes": 300}
     assert served_decode_us(before, after) == 2500.0
     assert served_decode_us(before, before) is None and served_decode_us(None, after) is None
+
+
+def test_decodes_are_measured_in_alternating_rounds_whose_ratio_holds():
+    from bench.ceiling import _alternated_cpu_us
+
+    order = []
+
+    def spin(name, count):
+        def run():
+            order.append(name)
+            total = 0
+            for i in range(count):
+                total += i
+        return run
+
+    rounds = _alternated_cpu_us({"one": spin("one", 20_000), "two": spin("two", 40_000)}, repeats=20)
+    assert len(rounds["one"]) == len(rounds["two"]) == 4
+    assert order[:12] == ["one"] * 6 + ["two"] * 6  # a warm-up and 5 calls each, then the other's turn
+    ratios = sorted(two / one for one, two in zip(rounds["one"], rounds["two"]))
+    assert 1.4 < ratios[len(ratios) // 2] < 2.8, ratios
