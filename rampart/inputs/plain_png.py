@@ -31,6 +31,7 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+from imagecodecs import spng_decode  # loads libspng only: imagecodecs imports its codecs lazily (about 1 MB)
 from PIL import Image
 
 __all__ = ["PNG_DECODERS", "is_plain_rgb_png", "decode_plain_rgb_png"]
@@ -79,8 +80,6 @@ def decode_plain_rgb_png(data: bytes, size: tuple[int, int]) -> Image.Image | No
     when libspng refuses the data or returns anything but uint8 height×width×3 (the
     caller then decodes with Pillow).
     """
-    from imagecodecs import spng_decode  # loads libspng only (imagecodecs imports its codecs lazily)
-
     try:
         pixels = spng_decode(data)
     except Exception:  # SpngError, or anything else: Pillow decides what the upload's fault is
