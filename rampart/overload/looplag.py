@@ -79,8 +79,11 @@ class LoopLagMonitor:
             if self._where is None and time.perf_counter() - self._due >= self.stall_ms / 2000.0:
                 frame = sys._current_frames().get(loop_thread)
                 if frame is not None:
-                    stack = traceback.extract_stack(frame)[-STALL_FRAMES:]
-                    self._where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in reversed(stack))
+                    # Only the innermost frames, and no source lines: ``extract_stack`` walked the whole stack and
+                    # read each file's lines (cold, tens of ms under a deep stack), so the stall could end first.
+                    stack = traceback.StackSummary.extract(traceback.walk_stack(frame), limit=STALL_FRAMES,
+                                                           lookup_lines=False)
+                    self._where = " <- ".join(f"{f.filename.rsplit('/', 1)[-1]}:{f.lineno} {f.name}" for f in stack)
 
     def take_pauses(self) -> list[tuple[int, float]]:
         """The collector's pauses of at least ``MIN_PAUSE_S`` since the last call: (generation, seconds) each."""
