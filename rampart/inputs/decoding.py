@@ -129,8 +129,8 @@ _KNOWN_UNSUPPORTED: tuple[tuple[int, bytes, str], ...] = (
 class DecodeLimits:
     """Limits applied by ``decode_image``; see ``rampart.config.Settings`` for defaults.
 
-    ``png_decoder`` (one of ``rampart.inputs.plain_png.PNG_DECODERS``) is the one choice of
-    decoder here: ``libspng`` decodes a small plain RGB PNG with libspng, ``pillow`` never does.
+    ``png_decoder`` (the ``decode_png_decoder`` setting) is the one choice of decoder here:
+    ``libspng`` decodes a small plain RGB PNG with libspng, ``pillow`` never does.
     """
 
     max_body_bytes: int
@@ -248,22 +248,20 @@ def _decode(data: bytes, fmt: str, limits: DecodeLimits, shrink: ShrinkRule) -> 
             if scale > 1:  # Pillow picks the largest DCT scale keeping each side ≥ the size asked for
                 image.draft(None, (declared[0] // scale, declared[1] // scale))
             image.load()
-        elif fmt == "PNG" and limits.png_decoder == "libspng" and is_plain_rgb_png(data):
-            # every chunk that can carry an orientation precedes the pixels: Image.open has read it
-            orientation = _orientation(image)
-            upright = _upright_size(declared, orientation)
-            factor = max(float(shrink(*upright)), 1.0)
-            # only a frame that no reduce follows: its array and Pillow's copy stay within one RGB frame's memory
-            fast = decode_plain_rgb_png(data, declared) if factor < 2 and image.tile else None
-            if fast is None:
+        else:
+            # A PNG's eXIf chunk may follow its pixels, and Pillow reads it only once they are decoded; in a
+            # plain RGB PNG (rampart.inputs.plain_png) every such chunk precedes them, so Image.open has read it.
+            plain = fmt == "PNG" and limits.png_decoder == "libspng" and is_plain_rgb_png(data)
+            if not plain:
                 image.load()
-            else:
-                image = fast
-        else:  # a PNG's eXIf chunk may follow its pixels: Pillow reads it only once they are decoded
-            image.load()
             orientation = _orientation(image)
             upright = _upright_size(declared, orientation)
             factor = max(float(shrink(*upright)), 1.0)
+            # libspng only for a frame no reduce follows: its array and Pillow's copy stay within one RGB frame
+            fast = decode_plain_rgb_png(data, declared) if plain and factor < 2 and image.tile else None
+            if fast is not None:
+                image = fast
+            image.load()  # what libspng did not decode (a no-op for what is already loaded)
         rgb = shrink_to_rgb(image, int(factor * image.size[0] / declared[0]), limits.alpha_background)
         for transpose in _ORIENTATION_FIX.get(orientation, ()):
             rgb = rgb.transpose(transpose)

@@ -34,10 +34,7 @@ import numpy as np
 from imagecodecs import spng_decode  # loads libspng only: imagecodecs imports its codecs lazily (about 1 MB)
 from PIL import Image
 
-__all__ = ["PNG_DECODERS", "is_plain_rgb_png", "decode_plain_rgb_png"]
-
-#: Values of the ``decode_png_decoder`` setting: ``libspng`` takes this path for plain files, ``pillow`` never.
-PNG_DECODERS: tuple[str, ...] = ("libspng", "pillow")
+__all__ = ["is_plain_rgb_png", "decode_plain_rgb_png"]
 
 _SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _CHUNK_HEAD = struct.Struct(">I4s")
