@@ -396,10 +396,10 @@ def ceiling_scenario(out: Path, quick: bool, deadline_ms: float = DEADLINE_MS) -
         finally:
             service.stop()
         wall.setdefault(label, {})["total"] = round(time.monotonic() - started, 1)
-    for label in runs:
-        for body in bodies if label != "naive" else ():
-            runs[label][body]["decode_vs_naive_served"] = _share(runs[label][body]["decode_us"],
-                                                                 runs["naive"][body].get("naive_decode_served_us") or 0)
+    for label in runs.keys() - {"naive"}:
+        for body in bodies:
+            served = runs["naive"][body].get("naive_decode_served_us") or 0
+            runs[label][body]["decode_vs_naive_served"] = _share(runs[label][body]["decode_us"], served)
     ratios = {label: {body: ratio(runs[label][body]["throughput_rps"], runs["naive"][body]["throughput_rps"])
                       for body in bodies} for label in runs if label != "naive"}
     return {
