@@ -71,11 +71,12 @@ def cascade_arm(service: Service, named: list[tuple[str, bytes]], clients: list[
 
 
 def cascade_scenario(log_dir: Path, named: list[tuple[str, bytes]], clients: list[int], step_s: float,
-                     arms: dict[str, dict] | None = None) -> dict:
+                     arms: dict[str, dict] | None = None, started: dict[str, Service] | None = None) -> dict:
     """Cascade against primary-first Rampart on the bodies ``named`` (``scenario_bodies``; module doc).
 
     ``arms``: arms already measured (``cascade_arm``), by routing; each missing one gets its
-    own Rampart, started and stopped here, one server at a time. Returns both arms, the
+    own Rampart, started and stopped here, one server at a time, unless ``started`` holds one already launched
+    with that routing (``Service("rampart", …, env={"RAMPART_ROUTING": routing})``), which is used and stopped. Returns both arms, the
     ratios cascade/primary-first of knee and full-knee throughput, and ``agreement``: the
     share of images whose cascade top-1 equals the primary-only top-1 (over the images the
     primary answered, not degraded, and the cascade answered with labels), with the
@@ -85,7 +86,8 @@ def cascade_scenario(log_dir: Path, named: list[tuple[str, bytes]], clients: lis
     for routing in ("primary-first", "cascade"):
         if routing in arms:
             continue
-        service = Service("rampart", log_dir, env={"RAMPART_ROUTING": routing}, label=f"rampart-{routing}")
+        service = (started or {}).pop(routing, None) or Service("rampart", log_dir, env={"RAMPART_ROUTING": routing},
+                                                                label=f"rampart-{routing}")
         try:
             service.wait_ready([body for _, body in named])
             arms[routing] = cascade_arm(service, named, clients, step_s)

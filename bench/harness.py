@@ -78,7 +78,7 @@ class Sizes:
     def of(cls, quick: bool) -> Sizes:
         """The full sizes, or with ``quick`` the tiny ones that prove a command and measure little."""
         if quick:
-            return cls([1, 4], 1, [1, 8], 2.0, [5.0], 3.0, (1, 4), 2.0, 2.0)
+            return cls([1, 4], 1, [1, 8], 1.0, [5.0], 1.0, (1, 4), 1.0, 1.0)
         return cls([1, 2, 4, 8, 16, 32, 64], 3, [1, 2, 4, 8, 16, 32, 64, 128, 256], 4.0, [1.0, 2.0, 5.0, 10.0], 8.0,
                    (1, 4, 16, 64, 256), 10.0, 8.0)
 

@@ -57,7 +57,8 @@ each service runs in its own subprocess on 127.0.0.1.
    capacity, repeated with one overload mechanism added per arm; ``--ablation-only`` runs it
    and writes ``ablation.json`` and ``ablation.png``.
 
-``--quick`` shrinks every step (the test suite uses it to prove the command works).
+``--quick`` shrinks every step (the test suite uses it to prove the command works) and starts the baselines and
+the cascade arm's server at once, beside the first steps (``full_run``).
 
 This module only composes the scenarios: each is its own module with a ``main()``, run alone
 as ``python -m bench.<name>`` (docs/benchmarks.md, "Harness"), and every ``--*-only`` flag
@@ -131,6 +132,21 @@ def full_run(out: Path, quick: bool, sweep_client: str, command: str) -> int:
     cascade arm; the near-free ceiling; the ratios. Writes ``load.json`` (``command`` recorded),
     ``load.png`` and ``ceiling.png``."""
     sizes = Sizes.of(quick)
+    # --quick proves the command and measures little: the baselines and the cascade arm's server start at once,
+    # beside the first steps, and wait idle for their turn; a full run starts each server when its turn comes.
+    started = {name: Service(name, out) for name in ("naive", "plain_bentoml")} if quick else {}
+    if quick:
+        started["cascade"] = Service("rampart", out, env={"RAMPART_ROUTING": "cascade"}, label="rampart-cascade")
+    try:
+        return _measure_all(out, quick, sweep_client, command, sizes, started)
+    finally:
+        for service in started.values():
+            service.stop()
+
+
+def _measure_all(out: Path, quick: bool, sweep_client: str, command: str, sizes: Sizes,
+                 started: dict[str, Service]) -> int:
+    """``full_run``'s steps with the servers in ``started`` already launched (each used, then stopped, at its turn)."""
     bodies, named = load_bodies(), scenario_bodies(quick)
     primary_first_arm = None
     results: dict = {"machine": machine(), "slo_ms": SLO_MS, "command": command}
@@ -138,9 +154,11 @@ def full_run(out: Path, quick: bool, sweep_client: str, command: str) -> int:
     for name in ("rampart", "naive", "plain_bentoml", *PEERS):
         if skipped_peer(name, results):
             continue
-        service = Service(name, out)
+        service = started.pop(name, None) or Service(name, out)
         try:
             service.wait_ready(bodies)
+            for waiting in started.values():  # every server is up before anything is measured
+                waiting.wait_ready(bodies)
             if name == "rampart":
                 def budget(measured: dict, service: Service = service) -> dict:
                     return {"cpu_budget": budget_step(service, bodies, measured["ramp"]["primary_knee"]["clients"],
@@ -158,7 +176,8 @@ def full_run(out: Path, quick: bool, sweep_client: str, command: str) -> int:
             service.stop()
         print(name, json.dumps(results[name]["ramp"]["knee"]), flush=True)
 
-    results["cascade"] = cascade_scenario(out, named, sizes.clients, sizes.step_s, {"primary-first": primary_first_arm})
+    results["cascade"] = cascade_scenario(out, named, sizes.clients, sizes.step_s, {"primary-first": primary_first_arm},
+                                          started=started)
     print("cascade", json.dumps({k: v for k, v in results["cascade"].items() if k != "arms"}), flush=True)
     results["near_free_ceiling"] = ceiling_scenario(out, quick)
     plot_ceiling({**results["near_free_ceiling"], "machine": results.get("machine", {})}, out / "ceiling.png")

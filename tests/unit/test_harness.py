@@ -101,4 +101,4 @@ def test_the_step_sizes_are_the_load_benchmark_s():
     assert full.factors == [1.0, 2.0, 5.0, 10.0] and full.overload_s == 8.0 and full.sweep_s == 10.0
     assert full.batch_sizes == [1, 2, 4, 8, 16, 32, 64] and full.repeats == 3
     assert full.sweep_connections == (1, 4, 16, 64, 256)
-    assert quick == Sizes([1, 4], 1, [1, 8], 2.0, [5.0], 3.0, (1, 4), 2.0, 2.0)
+    assert quick == Sizes([1, 4], 1, [1, 8], 1.0, [5.0], 1.0, (1, 4), 1.0, 1.0)
