@@ -61,20 +61,30 @@ class LoopLagMonitor:
         self._watchdog: threading.Thread | None = None
 
     def ensure_started(self) -> None:
-        """Start measuring on the running loop, timing the cycle collector and watching for stalls (idempotent)."""
+        """Start measuring on the running loop, timing the cycle collector and watching for stalls (idempotent).
+
+        All three last as long as the measuring task: when it ends (cancelled, or its loop closed) the
+        collector callback is removed and the watchdog thread returns, so a monitor leaves nothing behind."""
         if self._task is None or self._task.done():
             if self._on_collection not in gc.callbacks:
                 gc.callbacks.append(self._on_collection)
-            self._task = asyncio.get_running_loop().create_task(self._run())
-        if self._watchdog is None:
-            self._watchdog = threading.Thread(target=self._watch, args=(threading.get_ident(),),
+            loop = asyncio.get_running_loop()
+            self._task = task = loop.create_task(self._run())
+            # one watchdog per task: an earlier task's returns by itself within ``interval_s``
+            self._watchdog = threading.Thread(target=self._watch, args=(threading.get_ident(), loop, task),
                                               name="rampart-loop-watchdog", daemon=True)
             self._watchdog.start()
 
-    def _watch(self, loop_thread: int) -> None:
+    @property
+    def watching(self) -> bool:
+        """Whether the watchdog thread is running."""
+        return self._watchdog is not None and self._watchdog.is_alive()
+
+    def _watch(self, loop_thread: int, loop: asyncio.AbstractEventLoop, task: asyncio.Task) -> None:
         """Every ``interval_s``: once the monitor's sleep is half of ``stall_ms`` overdue, note the loop thread's frames
-        (half: a watchdog that waits for the whole of it sees little of a stall just over it)."""
-        while True:
+        (half: a watchdog that waits for the whole of it sees little of a stall just over it). Returns once the
+        measuring ``task`` is no longer the monitor's, is done, or its ``loop`` is closed."""
+        while self._task is task and not task.done() and not loop.is_closed():
             time.sleep(self.interval_s)
             if self._where is None and time.perf_counter() - self._due >= self.stall_ms / 2000.0:
                 frame = sys._current_frames().get(loop_thread)
@@ -115,6 +125,13 @@ class LoopLagMonitor:
         self._samples.append((time.monotonic(), max(lag_ms, 0.0)))
 
     async def _run(self) -> None:
+        try:
+            await self._measure()
+        finally:
+            if self._on_collection in gc.callbacks:
+                gc.callbacks.remove(self._on_collection)
+
+    async def _measure(self) -> None:
         while True:
             start, collector_s = time.perf_counter(), self._collector_s
             self._due, self._where = start + self.interval_s, None

@@ -61,3 +61,22 @@ def test_the_collector_s_share_of_a_stall_is_logged_and_its_pauses_are_kept(moni
     pauses = monitor.take_pauses()
     assert any(generation == 2 for generation, _ in pauses) and all(pause_s >= 0.001 for _, pause_s in pauses)
     assert monitor.take_pauses() == []
+
+
+def test_a_monitor_leaves_no_thread_or_collector_callback_once_its_loop_ends():
+    """``asyncio.run`` cancels the measuring task as its loop ends: the watchdog thread returns and the collector
+    callback is removed; a later loop starts both again."""
+    monitor = LoopLagMonitor()
+
+    async def briefly() -> None:
+        monitor.ensure_started()
+        await asyncio.sleep(0.05)
+        assert monitor.watching and monitor._on_collection in gc.callbacks
+
+    for _ in range(2):
+        asyncio.run(briefly())
+        deadline = time.monotonic() + 5
+        while monitor.watching and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not monitor.watching
+        assert monitor._on_collection not in gc.callbacks
