@@ -151,14 +151,15 @@ def _measure_all(out: Path, quick: bool, sweep_client: str, command: str, sizes:
     primary_first_arm = None
     results: dict = {"machine": machine(), "slo_ms": SLO_MS, "command": command}
     results["raw_ceiling_ips"] = raw_ceiling(sizes.batch_sizes, sizes.repeats)
+    unready = list(started.values())
     for name in ("rampart", "naive", "plain_bentoml", *PEERS):
         if skipped_peer(name, results):
             continue
         service = started.pop(name, None) or Service(name, out)
         try:
             service.wait_ready(bodies)
-            for waiting in started.values():  # every server is up before anything is measured
-                waiting.wait_ready(bodies)
+            while unready:  # every server is up before anything is measured (each waited for once)
+                unready.pop().wait_ready(bodies)
             if name == "rampart":
                 def budget(measured: dict, service: Service = service) -> dict:
                     return {"cpu_budget": budget_step(service, bodies, measured["ramp"]["primary_knee"]["clients"],
