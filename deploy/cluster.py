@@ -12,8 +12,9 @@ every replica.
 On one machine this only simulates separate hosts: the replicas share its CPU cores,
 so CPU-bound capacity does not add up (tests/server/test_cluster.py makes each replica's
 capacity latency-bound to see the load balancer's effect). For the same reason the replicas
-run with ``RAMPART_CPU_PINNING=off`` unless the environment says otherwise: each would
-reserve the same cores for its primary (``rampart.cores``).
+run with ``RAMPART_CPU_PINNING=off`` unless the environment says otherwise: under ``reserve`` each
+would reserve the same cores for its primary, and under ``weight`` each primary would start a thread
+per core of the shared machine (``rampart.cores``).
 
 ``Nginx`` and ``Cluster`` are also what the tests drive; each replica is a ``bench.harness.Replica``
 (the harness holds the one launcher of every server).

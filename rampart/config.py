@@ -51,12 +51,17 @@ from rampart.results import CONFIDENCE_KINDS
 ENV_PREFIX = "RAMPART_"
 
 
-def default_cpu_threads(role: str, cores: int, gpu: bool) -> int:
-    """Intra-op CPU threads for ``role`` ("primary" or "fallback") on a host with ``cores`` CPUs.
+def default_cpu_threads(role: str, cores: int, gpu: bool, placement: str = "weight") -> int:
+    """Intra-op CPU threads for ``role`` ("primary" or "fallback") on a host with ``cores`` CPUs, under the
+    CPU placement ``placement`` (``Settings.cpu_pinning``: "weight", "reserve" or "off").
 
-    CPU-only host: the fallback gets a quarter of the cores (at least 1) and the primary the
-    rest less one core left to the API layer (at least 1); on 2 cores both get 1, because the
-    primary measured 35 ms CPU/image with 1 torch thread against 49-51 ms with 2 (docs/benchmarks.md, "CPU defaults").
+    CPU-only host: the fallback gets a quarter of the cores (at least 1). The primary gets every core
+    under "weight" (nothing is pinned; the API layer, the decoders and the fallback take their share
+    by niceness when they need it, ``rampart.cores``): on the 2-core host its closed-loop capacity
+    was 16.5 images/s with 2 threads against 8.3-11.4 with 1 thread on its reserved core, and the same
+    at 5x overload (docs/benchmarks.md, "CPU placement"). Under "reserve" and "off" it gets the rest
+    less one core left to the API layer (at least 1): on 2 cores 1, because one torch thread costs
+    35 ms of CPU per image against 49-51 ms with 2 (docs/benchmarks.md, "CPU defaults").
     GPU host: the primary computes on the GPU, so 1 CPU thread feeds it, and the fallback
     (on the GPU too if ONNX Runtime's CUDA provider loads, else on the CPU) may take half
     the cores. Any other role: 1.
@@ -66,7 +71,9 @@ def default_cpu_threads(role: str, cores: int, gpu: bool) -> int:
     if role == "fallback":
         return fallback
     if role == "primary":
-        return 1 if gpu else max(1, cores - fallback - 1)
+        if gpu:
+            return 1
+        return cores if placement == "weight" else max(1, cores - fallback - 1)
     return 1
 
 
@@ -442,15 +449,17 @@ class Settings(BaseModel):
                              "worker's admission gates get 1/N of each runner; at most the smaller `MAX_BATCH_SIZE`. "
                              "1 is the fastest on the 2-core host; the rule for bigger hosts: [Overload control]"
                              "(overload.md#overload-control), several API workers")
-    # CPU placement (rampart.cores): replicas sharing one host (deploy.cluster) use "off": each would reserve the
-    # same cores.
-    cpu_pinning: Literal["auto", "off"] = Field("auto", description="`auto`: on a CPU-only host the primary runner "
-                                                "(and the shadow) is pinned to its own cores (as many as its threads) "
-                                                "and every other process to the rest; none on a GPU host, with one "
-                                                "core, or under a cgroup CPU quota below the visible cores; `off`: the "
-                                                "OS places everything (see [CPU placement](benchmarks.md#cpu-placement"
-                                                "-the-primary-keeps-its-capacity-under-overload)). `deploy.cluster` "
-                                                "replicas default to `off`")
+    # CPU placement (rampart.cores): replicas sharing one host (deploy.cluster) use "off": under "reserve" each
+    # would reserve the same cores, and under "weight" each primary would take every core.
+    cpu_pinning: Literal["weight", "reserve", "off"] = Field(
+        "weight", description="CPU placement on a CPU-only host. `weight`: nothing is pinned; the primary's engine "
+        "gets a thread per core and uses the whole CPU when nothing else needs it, and the API layer (niceness 0), "
+        "the primary and the decoders (5), the fallback (10) and the shadow (15) share it by niceness when they do; "
+        "`reserve`: the primary runner (and the shadow) is pinned to its own cores (as many as its threads) and "
+        "every other process to the rest, none with one core or under a cgroup CPU quota below the visible cores; "
+        "`off`: the OS places everything and the primary's threads leave a core to the rest. A GPU host pins "
+        "nothing (see [CPU placement](benchmarks.md#cpu-placement-the-primary-keeps-its-capacity-under-overload)). "
+        "`deploy.cluster` replicas default to `off`")
     gpu_memory_fraction: float = Field(0.9, gt=0.0, le=1.0, description="share of the GPU's memory the primary may "
                                        "allocate (`torch.cuda.set_per_process_memory_fraction`)")
     cache_size: int = Field(1024, ge=0, description="entries of the content-hash answer cache, used when both models "

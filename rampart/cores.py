@@ -1,32 +1,42 @@
-"""Where each of Rampart's processes runs on the CPU: its niceness and, on a CPU host, its cores.
+"""Where each of Rampart's processes runs on the CPU: its niceness and, under ``reserve``, its cores.
 
 On a CPU-only host the primary model and the rest (API workers, decode workers, the
-fallback and shadow models) compete for the same cores. Niceness alone does not keep
-the primary at its capacity under overload: Linux weighs niceness only between tasks
-on one core's run queue, and the scheduler spreads the API layer, the decoders and the
-fallback over every core, the primary's too. Measured on the 2-core host at 16
-closed-loop clients (docs/benchmarks.md, "CPU placement"): unpinned, the primary got 0.72 of a core
-and answered 11.6 req/s; with its core reserved, 0.96 and 18.7.
+fallback and shadow models) compete for the same cores. ``RAMPART_CPU_PINNING`` chooses
+how (``Settings.cpu_pinning``):
 
-So, by default (``RAMPART_CPU_PINNING=auto``), the primary runner is pinned to the first
-``primary_threads`` usable cores (the shadow runner too: it takes what the primary
-leaves) and every other process to the cores left (``core_plan``). There is no pinning
-on a GPU host (the primary computes on the GPU and needs no reserved core), with one
-core, when the primary's threads would leave no core to the rest, or under a cgroup CPU
-quota smaller than the visible cores (a Kubernetes pod without a static CPU manager
-policy: its visible cores are shared with other pods, so reserving "core 0" would pile
-every pod's primary onto one core).
+- ``weight`` (the default): nothing is pinned. The primary's engine gets a thread per
+  usable core (``rampart.config.default_cpu_threads``), so it uses the whole CPU when
+  nothing else needs it, and every process keeps its niceness (API workers 0, the primary
+  and the decoders 5, the fallback 10, the shadow 15), by which the others take their
+  share when they need it. Measured on the 2-core host, same run, against ``reserve``
+  (docs/benchmarks.md, "CPU placement"): the primary's closed-loop capacity 16.5-16.6
+  images/s against 8.3-11.4, and at 5x open-loop overload it answered 8.3-8.4 images/s in
+  the deadline against 7.4-9.5.
+- ``reserve``: the primary runner is pinned to the first ``primary_threads`` usable cores
+  (the shadow runner too: it takes what the primary leaves) and every other process to
+  the cores left (``core_plan``). Linux weighs niceness only between tasks on one core's
+  run queue, and with one primary thread the scheduler spread the API layer, the decoders
+  and the fallback over its core too: unpinned, that thread got 0.72 of a core (11.6
+  req/s at 16 clients), pinned 0.96 (18.7).
+- ``off``: the OS places everything; the primary's threads leave a core to the rest.
+
+There is no pinning on a GPU host (the primary computes on the GPU and needs no reserved
+core), with one core, when the primary's threads would leave no core to the rest, or under
+a cgroup CPU quota smaller than the visible cores (a Kubernetes pod without a static CPU
+manager policy: its visible cores are shared with other pods, so reserving "core 0" would
+pile every pod's primary onto one core).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from rampart.config import Settings, default_cpu_threads
 
-__all__ = ["CorePlan", "core_plan", "cpu_quota_cores", "gpu_device_present", "host_core_plan", "lower_cpu_priority",
+__all__ = ["CorePlan", "available_cores", "core_plan", "cpu_quota_cores", "gpu_device_present", "host_core_plan", "lower_cpu_priority",
            "pin_this_process", "place_this_process", "usable_cores"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -72,6 +82,17 @@ def cpu_quota_cores(root: Path = CGROUP_ROOT) -> float | None:
         return None
 
 
+def available_cores(root: Path = CGROUP_ROOT) -> int:
+    """How many cores this process's engines may keep busy: the usable cores (``usable_cores``), at most the
+    cgroup's CPU quota rounded up (``cpu_quota_cores(root)``), at least 1. A pod limited to 4 CPUs on a 64-core
+    node sees 64 usable cores; an engine with 64 threads there would spend its quota in a fraction of each period
+    and stall for the rest."""
+    cores, quota = len(usable_cores()), cpu_quota_cores(root)
+    if quota is not None:
+        cores = min(cores, math.ceil(quota))
+    return max(1, cores)
+
+
 def gpu_device_present() -> bool:
     """Whether an NVIDIA GPU is visible to this process without importing torch: a ``/dev/nvidia<N>``
     device node exists and ``CUDA_VISIBLE_DEVICES`` does not hide every device ("" or "-1")."""
@@ -99,16 +120,16 @@ def core_plan(cores: list[int], primary_threads: int, gpu: bool, quota_cores: fl
 
 
 def host_core_plan(settings: Settings) -> CorePlan | None:
-    """``core_plan`` for this host and ``settings`` (``cpu_pinning`` "off": None).
+    """``core_plan`` for this host and ``settings`` under ``cpu_pinning`` "reserve"; None under "weight" and "off".
 
     Every process of a server computes it from the same inputs (the cores the server
     was started with, ``primary_cpu_threads`` or ``default_cpu_threads``), so they agree;
     call it before ``pin_this_process`` narrows this process's cores.
     """
-    if settings.cpu_pinning == "off":
+    if settings.cpu_pinning != "reserve":
         return None
     cores, gpu = usable_cores(), gpu_device_present()
-    threads = settings.primary.cpu_threads or default_cpu_threads("primary", len(cores), gpu)
+    threads = settings.primary.cpu_threads or default_cpu_threads("primary", len(cores), gpu, "reserve")
     return core_plan(cores, threads, gpu, cpu_quota_cores())
 
 

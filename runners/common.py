@@ -36,7 +36,7 @@ from rampart.compat import check_versions
 from rampart.compat.bentoml_batching import dispatch_when_free, wake_on_release
 from rampart.compat.bentoml_private import debug_mode
 from rampart.config import Settings, default_cpu_threads, get_settings
-from rampart.cores import cpu_quota_cores, place_this_process, usable_cores
+from rampart.cores import available_cores, cpu_quota_cores, place_this_process, usable_cores
 from rampart.faults import FaultInjector, FaultSpec
 from rampart.inputs.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
 from rampart.telemetry import metrics
@@ -277,7 +277,8 @@ class RunnerSpec:
     batching; ``concurrent_batches`` is the runner's thread count; ``nice`` its CPU
     niceness; ``faults`` what to inject; ``memory_fraction`` the share of the GPU's memory
     a PyTorch model may take; ``timeout_s`` BentoML's traffic timeout (s); ``cpu_threads``
-    the engine's intra-op CPU threads (0: ``rampart.config.default_cpu_threads``).
+    the engine's intra-op CPU threads (0: ``rampart.config.default_cpu_threads`` under ``placement``,
+    ``Settings.cpu_pinning``).
     """
 
     role: str
@@ -290,6 +291,7 @@ class RunnerSpec:
     memory_fraction: float
     timeout_s: float
     cpu_threads: int = 0
+    placement: str = "weight"
 
 
 def runner_spec(settings: Settings, role: str) -> RunnerSpec:
@@ -305,7 +307,8 @@ def runner_spec(settings: Settings, role: str) -> RunnerSpec:
                             settings.faults.primary_hang) if role == "primary"
                   else FaultSpec(error_rate=settings.faults.fallback_error_rate))
         return RunnerSpec(role, model.model, model.max_batch_size, model.max_latency_ms, model.concurrent_batches,
-                          model.nice, faults, settings.gpu_memory_fraction, longest_s, model.cpu_threads)
+                          model.nice, faults, settings.gpu_memory_fraction, longest_s, model.cpu_threads,
+                          settings.cpu_pinning)
     if role == "shadow":
         return RunnerSpec(role, settings.shadow.model, max(2, settings.shadow.max_inflight), settings.deadlines.max_deadline_ms,
                           1, settings.shadow.nice,
@@ -315,12 +318,13 @@ def runner_spec(settings: Settings, role: str) -> RunnerSpec:
 
 
 def engine_cpu_threads(spec: RunnerSpec) -> int:
-    """``spec.cpu_threads``, or when 0 the rule ``default_cpu_threads`` for this host's usable cores and GPU."""
+    """``spec.cpu_threads``, or when 0 the rule ``default_cpu_threads`` for the cores this process may keep busy
+    (``rampart.cores.available_cores``: usable, within the CPU quota) and GPU under ``spec.placement``."""
     if spec.cpu_threads:
         return spec.cpu_threads
     from inference.engines import cuda_present
 
-    return default_cpu_threads(spec.role, len(usable_cores()), cuda_present())
+    return default_cpu_threads(spec.role, available_cores(), cuda_present(), spec.placement)
 
 
 def timing_key(model_tag: str, engines: tuple[str, ...], threads: int, shape: tuple[int, ...], sizes: list[int],

@@ -107,9 +107,11 @@ def test_every_metric_the_grafana_dashboard_queries_exists(server):
     assert not missing, f"the dashboard queries metrics that /metrics lacks: {missing}"
 
 
-def test_stats_shows_the_primarys_reserved_cores_apart_from_everyone_elses(server):
-    """``rampart.cores`` on a real server: the plan this host gets (a CPU-only 2-core host: the primary on
-    one core, the API worker, its decoders and the fallback on the other), as each process reports it."""
+def test_stats_shows_the_cores_each_process_runs_on(server):
+    """``rampart.cores`` on a real server, as each process reports it: under the default placement (``weight``)
+    nothing is pinned and every process may run on every usable core; under ``reserve`` (the plan, when one
+    applies) a CPU-only 2-core host puts the primary on one core and the API worker, its decoders and the
+    fallback on the other. The reserved plan's pinning itself is checked in tests/unit/test_cores.py."""
     from bench.process_cpu import server_processes
     from rampart.config import Settings
     from rampart.cores import host_core_plan, usable_cores

@@ -18,15 +18,41 @@ def test_settings_from_env_validates_and_names_bad_values():
 
 
 def test_default_cpu_threads_rule():
-    """The rule of rampart.config.default_cpu_threads: a 2-core CPU host gives each model one
-    thread; a big CPU host gives most cores to the primary and keeps one free; a GPU host feeds
-    the primary with one thread and lets the fallback take half the cores."""
+    """The rule of rampart.config.default_cpu_threads. Under the default placement ("weight") the primary of a
+    CPU host gets a thread per core; under "reserve" and "off" a 2-core CPU host gives each model one thread
+    and a big CPU host gives most cores to the primary and keeps one free. The fallback gets a quarter of the
+    cores under every placement; a GPU host feeds the primary with one thread and lets the fallback take half."""
     from rampart.config import default_cpu_threads
 
-    assert (default_cpu_threads("primary", 2, gpu=False), default_cpu_threads("fallback", 2, gpu=False)) == (1, 1)
-    assert (default_cpu_threads("primary", 16, gpu=False), default_cpu_threads("fallback", 16, gpu=False)) == (11, 4)
-    assert (default_cpu_threads("primary", 16, gpu=True), default_cpu_threads("fallback", 16, gpu=True)) == (1, 8)
-    assert default_cpu_threads("primary", 1, gpu=False) == default_cpu_threads("fallback", 1, gpu=False) == 1
+    for placement in ("reserve", "off"):
+        assert (default_cpu_threads("primary", 2, False, placement), default_cpu_threads("fallback", 2, False, placement)) == (1, 1)
+        assert (default_cpu_threads("primary", 16, False, placement),
+                default_cpu_threads("fallback", 16, False, placement)) == (11, 4)
+    assert (default_cpu_threads("primary", 2, gpu=False), default_cpu_threads("fallback", 2, gpu=False)) == (2, 1)
+    assert (default_cpu_threads("primary", 16, gpu=False), default_cpu_threads("fallback", 16, gpu=False)) == (16, 4)
+    for placement in ("weight", "reserve", "off"):
+        assert (default_cpu_threads("primary", 16, True, placement), default_cpu_threads("fallback", 16, True, placement)) == (1, 8)
+        assert default_cpu_threads("primary", 1, False, placement) == default_cpu_threads("fallback", 1, False, placement) == 1
+
+
+def test_the_runners_engines_get_their_threads_from_the_placement_setting():
+    """``runners.common.engine_cpu_threads`` follows ``RAMPART_CPU_PINNING`` for an unset thread count."""
+    from rampart.config import Settings
+    from rampart.cores import available_cores
+    from runners.common import engine_cpu_threads, runner_spec
+
+    cores = available_cores()
+    weight, reserve = (runner_spec(Settings.from_env({"RAMPART_CPU_PINNING": value}), "primary")
+                       for value in ("weight", "reserve"))
+    assert (weight.placement, reserve.placement) == ("weight", "reserve")
+    assert runner_spec(Settings(), "primary").placement == "weight"  # the default
+    from inference.engines import cuda_present
+
+    if not cuda_present():
+        assert engine_cpu_threads(weight) == cores
+        assert engine_cpu_threads(reserve) == max(1, cores - max(1, cores // 4) - 1)
+    fixed = runner_spec(Settings.from_env({"RAMPART_CPU_PINNING": "weight", "RAMPART_PRIMARY_CPU_THREADS": "3"}), "primary")
+    assert engine_cpu_threads(fixed) == 3  # a thread count that is set wins
 
 
 def test_every_variable_sets_its_nested_setting():

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from rampart.config import Settings
-from rampart.cores import CorePlan, core_plan, cpu_quota_cores, host_core_plan
+from rampart.cores import CorePlan, available_cores, core_plan, cpu_quota_cores, host_core_plan, usable_cores
 
 
 def test_cpu_host_reserves_the_primarys_threads_cores_and_gives_the_rest_to_everyone_else():
@@ -32,8 +32,12 @@ def test_no_pinning_where_a_reservation_would_hurt(cores, threads, gpu, quota):
     assert core_plan(cores, threads, gpu, quota) is None
 
 
-def test_setting_off_turns_pinning_off():
+def test_only_the_reserve_placement_pins():
+    """``weight`` (the default) and ``off`` pin nothing; ``reserve`` pins on a CPU host of 2 cores or more."""
+    assert Settings().cpu_pinning == "weight"
     assert host_core_plan(Settings(cpu_pinning="off")) is None
+    assert host_core_plan(Settings(cpu_pinning="weight")) is None
+    assert host_core_plan(Settings()) is None
 
 
 def test_cgroup_quota_in_cores_from_v2_and_v1_files(tmp_path):
@@ -50,6 +54,19 @@ def test_cgroup_quota_in_cores_from_v2_and_v1_files(tmp_path):
     assert cpu_quota_cores(tmp_path) is None
 
 
+def test_available_cores_are_the_usable_ones_within_the_cgroup_quota(tmp_path):
+    """A pod limited to fewer CPUs than it sees: the engines' threads follow the limit (rounded up), never more
+    than the usable cores, at least 1."""
+    usable = len(usable_cores())
+    assert available_cores(tmp_path) == usable  # no quota file: unlimited
+    (tmp_path / "cpu.max").write_text("50000 100000\n")
+    assert available_cores(tmp_path) == 1
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    assert available_cores(tmp_path) == min(usable, 2)
+    (tmp_path / "cpu.max").write_text(f"{(usable + 8) * 100000} 100000\n")
+    assert available_cores(tmp_path) == usable
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
                     or (cpu_quota_cores() or 99) < len(os.sched_getaffinity(0)), reason="needs 2 cores, no CPU quota")
 def test_a_process_placed_as_primary_or_api_runs_on_its_cores_only_with_every_thread():
@@ -58,7 +75,7 @@ def test_a_process_placed_as_primary_or_api_runs_on_its_cores_only_with_every_th
 import os, threading, sys
 from rampart.config import Settings
 from rampart.cores import host_core_plan, place_this_process
-settings = Settings(cpu_pinning="auto", primary_cpu_threads=1)
+settings = Settings(cpu_pinning="reserve", primary_cpu_threads=1)
 plan = host_core_plan(settings)
 inherited = os.getpriority(os.PRIO_PROCESS, 0)  # placement only ever raises the niceness (a test run under nice)
 early = threading.Thread(target=threading.Event().wait, daemon=True); early.start()
