@@ -57,9 +57,10 @@ def default_cpu_threads(role: str, cores: int, gpu: bool, placement: str = "weig
 
     CPU-only host: the fallback gets a quarter of the cores (at least 1). The primary gets every core
     under "weight" (nothing is pinned; the API layer, the decoders and the fallback take their share
-    by niceness when they need it, ``rampart.cores``): on the 2-core host its closed-loop capacity
-    was 16.5 images/s with 2 threads against 8.3-11.4 with 1 thread on its reserved core, and the same
-    at 5x overload (docs/benchmarks.md, "CPU placement"). Under "reserve" and "off" it gets the rest
+    by niceness when they need it, ``rampart.cores``): on the shared 2-core host its closed-loop capacity,
+    median of 5 rounds, was 11.1 images/s with 2 threads against 10.4 with 1 thread on its reserved core
+    (16.5-16.6 against 8.3-11.4 in the quieter first run), and the same at 5x overload (docs/benchmarks.md,
+    "CPU placement"). Under "reserve" and "off" it gets the rest
     less one core left to the API layer (at least 1): on 2 cores 1, because one torch thread costs
     35 ms of CPU per image against 49-51 ms with 2 (docs/benchmarks.md, "CPU defaults").
     GPU host: the primary computes on the GPU, so 1 CPU thread feeds it, and the fallback

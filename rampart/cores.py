@@ -8,10 +8,11 @@ how (``Settings.cpu_pinning``):
   usable core (``rampart.config.default_cpu_threads``), so it uses the whole CPU when
   nothing else needs it, and every process keeps its niceness (API workers 0, the primary
   and the decoders 5, the fallback 10, the shadow 15), by which the others take their
-  share when they need it. Measured on the 2-core host, same run, against ``reserve``
-  (docs/benchmarks.md, "CPU placement"): the primary's closed-loop capacity 16.5-16.6
-  images/s against 8.3-11.4, and at 5x open-loop overload it answered 8.3-8.4 images/s in
-  the deadline against 7.4-9.5.
+  share when they need it. Measured on the shared 2-core host against ``reserve``, arms
+  alternated, medians of 5 rounds each (docs/benchmarks.md, "CPU placement"): the primary's
+  closed-loop capacity 11.1 images/s against 10.4 (16.5-16.6 against 8.3-11.4 in the quieter
+  first run); at 5x open-loop overload the primary answered 7.7 images/s in the deadline in
+  both, the whole server 34.8 against 33.7.
 - ``reserve``: the primary runner is pinned to the first ``primary_threads`` usable cores
   (the shadow runner too: it takes what the primary leaves) and every other process to
   the cores left (``core_plan``). Linux weighs niceness only between tasks on one core's
