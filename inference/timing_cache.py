@@ -121,12 +121,14 @@ class TimingKey:
 class TimingCache:
     """Timings by ``TimingKey`` in ``directory`` (created when first written); ``directory`` None: off.
 
-    ``source`` after ``timings`` says where the last answer came from: "measured" or "cache".
+    ``source`` after ``timings`` says where the last answer came from: "measured" or "cache";
+    ``files`` lists the file of every key asked for, in order (empty when the cache is off).
     """
 
     def __init__(self, directory: str | Path | None) -> None:
         self.directory = Path(directory) if directory else None
         self.source = "measured"
+        self.files: list[Path] = []
 
     @classmethod
     def from_setting(cls, setting: str, bentoml_home: str | None = None) -> TimingCache:
@@ -149,6 +151,7 @@ class TimingCache:
         Exceptions of ``measure`` propagate (nothing is stored then)."""
         path = self.path(key)
         if path is not None:
+            self.files.append(path)
             cached = self._read(path, key)
             if cached is not None:
                 self.source = "cache"

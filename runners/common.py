@@ -87,6 +87,7 @@ class BucketedRunner:
     engine_choice = EngineChoice("", "auto", "not loaded yet")
     model_tag = ""
     timings_source = "measured"
+    timing_cache_files: list[str] = []
 
     def setup(self, role: str, resolution: int, faults: FaultInjector, max_batch_size: int, nice: int = 0,
               max_deadline_ms: int = 60_000) -> None:
@@ -165,7 +166,8 @@ class BucketedRunner:
     @bentoml.api(route="/stats")
     async def stats(self) -> dict:
         """Counters of this runner: ``warmup_ms_per_image`` (ms), ``warmup_s`` (duration of ``warm_up``, s),
-        ``timings_source`` ("measured" at this start, or "cache": ``inference.timing_cache``), ``compute_batch_size``, ``warmed_batch_sizes``, ``ttl_dropped`` and ``oom_splits`` (counts),
+        ``timings_source`` ("measured" at this start, or "cache": ``inference.timing_cache``), ``timing_cache_files``
+        (the cache's files this start read or wrote: the engine choice's, then the warm-up's), ``compute_batch_size``, ``warmed_batch_sizes``, ``ttl_dropped`` and ``oom_splits`` (counts),
         ``cores``: the CPU ids this runner may run on (``rampart.cores``), and ``engine``: the engine it
         computes on and why (``inference.engine_choice.EngineChoice.as_stats``: engine, mode, reason,
         and of each engine measured ms_per_image, compute_batch_size and ms_per_image_by_batch_size)."""
@@ -176,6 +178,7 @@ class BucketedRunner:
             "warmup_ms_per_image": self.warmup_ms_per_image,
             "warmup_s": round(self.warmup_s, 3),
             "timings_source": self.timings_source,
+            "timing_cache_files": self.timing_cache_files,
             "compute_batch_size": self.compute_batch_size,
             "ttl_dropped": self.ttl_dropped,
             "oom_splits": getattr(self.engine, "oom_splits", 0),
@@ -424,6 +427,7 @@ def define_runner(role: str, name: str, doc: str) -> bentoml.Service:
         self.engine = load_engine(self.model, spec.memory_fraction, threads, engine=self.engine_choice.engine)
         self.warm_up(self.engine_choice.timings.get(self.engine_choice.engine), cache, threads)
         self.timings_source = cache.source  # of the last timing asked for: the engine choice's, or the warm-up's
+        self.timing_cache_files = [str(path) for path in dict.fromkeys(cache.files)]
         if self.timings_source == "cache":
             engine_log.info("%s runner: batch-size timings of %s from the timing cache %s", role, self.model_tag,
                             cache.directory)

@@ -158,7 +158,11 @@ def test_the_primary_runs_on_the_engine_it_measured_faster_and_says_why(start_se
     assert primary["timings_source"] in ("measured", "cache") and fallback["timings_source"] in ("measured", "cache")
     from inference.timing_cache import TimingCache
 
-    cached = [json.loads(f.read_text()) for f in TimingCache.from_setting("").directory.glob("*.json")]
+    # Its /stats names the files it read or wrote; earlier starts with other settings (threads, cores) left others.
+    directory = TimingCache.from_setting("").directory
+    used = [Path(f) for f in primary["timing_cache_files"]]
+    assert used and all(f.parent == directory and f.is_file() for f in used), (used, directory)
+    cached = [json.loads(f.read_text()) for f in used]
     tag = f"{stats['primary']['model']['name']}:{stats['primary']['model']['version']}"
     both = [c for c in cached if c["key"]["model"] == tag and len(c["key"]["engines"]) == len(choice["ms_per_image"])]
     assert len(both) == 1, [c["key"] for c in cached]

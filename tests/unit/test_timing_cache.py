@@ -26,6 +26,7 @@ def test_a_timing_is_measured_once_then_read_back_with_int_sizes(tmp_path):
     again = TimingCache(tmp_path)
     assert again.timings(key(), measure) == {"torch": {1: 30.0, 2: 25.5}, "onnx": {1: 20.0, 2: 18.0}}
     assert again.source == "cache" and calls == []
+    assert again.files == [again.path(key())] == cache.files
 
 
 def test_any_change_of_what_the_timing_depends_on_measures_again(tmp_path):
@@ -61,7 +62,7 @@ def test_the_setting_names_the_directory_or_turns_the_cache_off(tmp_path):
     off = TimingCache(None)
     for _ in range(2):
         off.timings(key(), lambda: calls.append(1) or {"torch": {1: 1.0}})
-    assert calls == [1, 1] and off.source == "measured"
+    assert calls == [1, 1] and off.source == "measured" and off.files == []
 
 
 def test_an_unwritable_directory_still_answers_the_measurement(tmp_path):
