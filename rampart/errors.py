@@ -151,7 +151,8 @@ class PayloadTooLarge(ImageError):
 
 
 class ImageTooLarge(ImageError):
-    """The header declares more than ``max_pixels`` pixels (a decompression bomb)."""
+    """The header declares more than ``max_pixels`` pixels (a decompression bomb), or a WebP more than its
+    share of them (``rampart.inputs.decoding.WEBP_PIXEL_SHARE``)."""
 
     code, status = "image_too_large", 413
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import re
 import warnings
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -66,7 +67,8 @@ from rampart.inputs.plain_png import decode_plain_rgb_png, is_plain_rgb_png
 from rampart.inputs.recovery import repair
 
 __all__ = ["DecodeLimits", "DecodedImage", "ShrinkRule", "SUPPORTED_FORMATS", "sniff_format", "decode_image",
-           "shrink_to_rgb", "to_rgb", "relax_metadata_limits", "STRIP_PIXELS", "MAX_METADATA_CHUNK_BYTES"]
+           "shrink_to_rgb", "to_rgb", "relax_metadata_limits", "STRIP_PIXELS", "MAX_METADATA_CHUNK_BYTES",
+           "WEBP_PIXEL_SHARE", "webp_canvas_size"]
 
 logger = logging.getLogger("rampart.inputs.decoding")
 
@@ -103,6 +105,13 @@ _ORIENTATION_FIX = {
 
 #: Pillow format names Rampart accepts, in the order the error message lists them.
 SUPPORTED_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF")
+
+#: A WebP may declare at most ``max_pixels // WEBP_PIXEL_SHARE`` pixels. Pillow 13 decodes every WebP through
+#: libwebp's ``WebPAnimDecoder``, which holds RGBA canvases, and copies the frame out of it and into the image:
+#: 16.1-16.4 bytes of transient memory a declared pixel (lossy and lossless, with and without alpha; 2400×1600,
+#: ``tests/unit/test_decoding_scale.py``), against 4.3 for an 8-bit RGB PNG and at most 6 for any other format and
+#: mode. At a quarter of the pixels a WebP decode costs what an RGB frame at ``max_pixels`` costs.
+WEBP_PIXEL_SHARE = 4
 
 _SUPPORTED_MAGIC: tuple[tuple[int, bytes, str], ...] = (
     (0, b"\xff\xd8\xff", "JPEG"),
@@ -229,13 +238,15 @@ def _short_side_rule(min_side: int) -> ShrinkRule:
 
 def _decode(data: bytes, fmt: str, limits: DecodeLimits, shrink: ShrinkRule) -> DecodedImage:
     """Decode ``data`` (sniffed as ``fmt``) strictly; ``decode_image`` without the repair."""
+    if fmt == "WEBP":  # Pillow's WebP decoder allocates its canvases when the file is opened: check first
+        _check_webp_canvas(data, limits)
     try:
         image = Image.open(io.BytesIO(data), formats=[fmt])
     except Image.DecompressionBombError as exc:
         raise ImageTooLarge(f"the image declares more than {limits.max_pixels} pixels, the limit (Pillow refused "
-                            f"its header: {exc})") from exc
+                            f"its header: {_decoder_message(exc)})") from exc
     except Exception as exc:  # Pillow raises many types for a bad header
-        raise UndecodableImage(f"the bytes look like {fmt} but cannot be read: {exc}") from exc
+        raise UndecodableImage(f"the bytes look like {fmt} but cannot be read: {_decoder_message(exc)}") from exc
     declared = image.size
     _check_declared_size(declared, limits)
     frame_warnings = _check_frames(image, limits.max_frames)
@@ -268,9 +279,18 @@ def _decode(data: bytes, fmt: str, limits: DecodeLimits, shrink: ShrinkRule) -> 
     except ImageError:
         raise
     except Exception as exc:  # every decoder failure is the input's fault: 4xx, never 5xx
-        raise CorruptImage(f"the {fmt} data is truncated or corrupt: {type(exc).__name__}: {exc}") from exc
+        raise CorruptImage(f"the {fmt} data is truncated or corrupt: {type(exc).__name__}: {_decoder_message(exc)}") from exc
     return DecodedImage(image=rgb, format=fmt, declared_size=declared, warnings=frame_warnings,
                         upright_size=upright)
+
+
+#: An object's default repr inside a decoder's message ("cannot identify image file <_io.BytesIO object at 0x7f…>").
+_OBJECT_REPR = re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+def _decoder_message(exc: BaseException) -> str:
+    """``exc``'s message for a client: object reprs (a heap address, the buffer's type) read "the upload"."""
+    return _OBJECT_REPR.sub("the upload", str(exc))
 
 
 def _upright_size(declared: tuple[int, int], orientation: int) -> tuple[int, int]:
@@ -297,6 +317,33 @@ def _orientation(image: Image.Image) -> int:
         logger.warning("ignoring malformed EXIF: %s: %s", type(exc).__name__, exc)
         return 1
     return value if isinstance(value, int) and 1 <= value <= 8 else 1
+
+def webp_canvas_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) in pixels of a WebP's canvas from its first chunk's header (``VP8 ``, ``VP8L`` or
+    ``VP8X``, as the WebP container specification lays them out), without decoding; None when the header
+    is too short or not one of them (the decoder then reports it)."""
+    chunk = data[12:16]
+    if chunk == b"VP8 " and len(data) >= 30 and data[23:26] == b"\x9d\x01\x2a":  # key frame start code
+        return int.from_bytes(data[26:28], "little") & 0x3FFF, int.from_bytes(data[28:30], "little") & 0x3FFF
+    if chunk == b"VP8L" and len(data) >= 25 and data[20] == 0x2F:  # lossless signature, then 14 + 14 bits
+        bits = int.from_bytes(data[21:25], "little")
+        return (bits & 0x3FFF) + 1, ((bits >> 14) & 0x3FFF) + 1
+    if chunk == b"VP8X" and len(data) >= 30:  # extended: 24-bit canvas width and height, each less one
+        return int.from_bytes(data[24:27], "little") + 1, int.from_bytes(data[27:30], "little") + 1
+    return None
+
+
+def _check_webp_canvas(data: bytes, limits: DecodeLimits) -> None:
+    """Raise ``ImageTooLarge`` for a WebP canvas over ``limits.max_pixels // WEBP_PIXEL_SHARE`` pixels."""
+    size = webp_canvas_size(data)
+    limit = limits.max_pixels // WEBP_PIXEL_SHARE
+    if size is not None and size[0] * size[1] > limit:
+        raise ImageTooLarge(
+            f"the WebP image declares {size[0]}x{size[1]} = {size[0] * size[1]} pixels; the limit for WebP is "
+            f"{limit} (1/{WEBP_PIXEL_SHARE} of the {limits.max_pixels}-pixel limit: its decoder holds about "
+            f"{WEBP_PIXEL_SHARE} times the memory a pixel of other formats holds)"
+        )
+
 
 def _check_declared_size(size: tuple[int, int], limits: DecodeLimits) -> None:
     width, height = size
@@ -347,7 +394,7 @@ def _check_frames(image: Image.Image, max_frames: int) -> tuple[str, ...]:
     try:
         image.seek(0)
     except Exception as exc:
-        raise CorruptImage(f"the first frame cannot be read: {type(exc).__name__}: {exc}") from exc
+        raise CorruptImage(f"the first frame cannot be read: {type(exc).__name__}: {_decoder_message(exc)}") from exc
     return unreadable
 
 

@@ -123,12 +123,13 @@ def mutated_bodies_for_pid_check() -> list[bytes]:
 BURST_RSS_GROWTH_BOUND_MB = 600
 
 
-def test_32_concurrent_8k_uploads_stay_memory_bounded(server):
+def concurrent_posts_with_peak_rss_growth(server, bodies: list[bytes]) -> tuple[list[httpx.Response], float]:
+    """POST ``bodies`` to ``/classify`` all at once; (the responses, the peak growth of the server tree's RSS in
+    MB over the requests, sampled every 10 ms)."""
     import asyncio
     import threading
     import time
 
-    big = encode(Image.fromarray(photo("rocket")).resize((7680, 4320)), quality=90)
     processes = [psutil.Process(pid) for pid in process_tree(server.process.pid)]
 
     def tree_rss() -> int:
@@ -153,17 +154,44 @@ def test_32_concurrent_8k_uploads_stay_memory_bounded(server):
 
     async def burst():
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-            return await asyncio.gather(*(client.post("/classify", content=big) for _ in range(32)))
+            return await asyncio.gather(*(client.post("/classify", content=body) for body in bodies))
 
     try:
         responses = asyncio.run(burst())
     finally:
         sampling.set()
         sampler.join()
+    return responses, (peak[0] - baseline) / 1e6
+
+
+def test_32_concurrent_8k_uploads_stay_memory_bounded(server):
+    big = encode(Image.fromarray(photo("rocket")).resize((7680, 4320)), quality=90)
+    responses, growth_mb = concurrent_posts_with_peak_rss_growth(server, [big] * 32)
     assert {r.status_code for r in responses} <= {200, 429}
-    growth_mb = (peak[0] - baseline) / 1e6
     assert growth_mb < BURST_RSS_GROWTH_BOUND_MB, f"RSS grew by {growth_mb:.0f} MB"
     assert httpx.get(f"{server.url}/readyz").status_code == 200
+
+
+#: Growth of the server tree's RSS while four 49 MP WebPs are refused: the answers and the uploads only (tens of
+#: bytes each). Decoded, they raised it by 1.4 GB (libwebp's decoder holds about 16 bytes a pixel).
+WEBP_REFUSAL_RSS_GROWTH_BOUND_MB = 100
+
+
+def test_webps_over_their_share_of_the_pixel_cap_are_refused_at_the_header_without_memory(server, http):
+    """Four concurrent lossless WebPs of 7000×7000 (49 MP, under the 50 MP cap, over a WebP's quarter of it):
+    413 before the decoder opens them; a WebP photo within it is classified after."""
+    bodies = []
+    for i in range(4):  # distinct bytes: nothing answered from the cache
+        image = Image.new("RGB", (7000, 7000), (90, 120, 30))
+        image.putpixel((i, 0), (255, 0, 0))
+        bodies.append(encode(image, "WEBP", lossless=True, method=0))
+    responses, growth_mb = concurrent_posts_with_peak_rss_growth(server, bodies)
+    for response in responses:
+        assert (response.status_code, response.json()["error"]["code"]) == (413, "image_too_large"), response.text
+        assert "the limit for WebP is 12500000" in response.json()["error"]["message"], response.text
+    assert growth_mb < WEBP_REFUSAL_RSS_GROWTH_BOUND_MB, f"RSS grew by {growth_mb:.0f} MB"
+    answer = http.post("/classify", content=encode(Image.fromarray(photo("chelsea")), "WEBP", quality=90)).json()
+    assert {label["index"] for label in answer["labels"]} & PHOTOS["chelsea"], answer
 
 
 def test_multipart_with_huge_part_headers_is_refused_fast(http):

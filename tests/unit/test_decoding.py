@@ -65,6 +65,16 @@ def test_not_an_image(body, error):
         decode_image(body, LIMITS)
 
 
+@pytest.mark.parametrize("body", [b"GIF89a" + bytes(30), b"\x89PNG\r\n\x1a\n" + bytes(30), b"BM" + bytes(40),
+                                  b"RIFF\x00\x00\x00\x00WEBPVP8 " + bytes(30), b"II*\x00" + bytes(30)])
+def test_a_header_the_decoder_cannot_read_is_named_without_python_internals(body):
+    """Pillow's message names the buffer by its repr ("<_io.BytesIO object at 0x7f…>"): a heap address and a
+    Python type, nothing a client can use. The answer says "the upload" instead."""
+    with pytest.raises((errors.UndecodableImage, errors.CorruptImage)) as refused:
+        decode_image(body, LIMITS)
+    assert " object at 0x" not in refused.value.message and "BytesIO" not in refused.value.message, refused.value.message
+
+
 def test_unsupported_format_message_lists_supported_formats():
     with pytest.raises(errors.UnsupportedFormat, match="JPEG, PNG, GIF, WEBP, BMP, TIFF"):
         sniff_format(b"\x00\x00\x00\x18ftypheic")

@@ -7,6 +7,7 @@ in a child process, in the same run), and metadata that never refuses pixels nor
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import struct
@@ -22,7 +23,8 @@ from PIL import Image
 from rampart.config import Settings
 from rampart.inputs.buckets import buckets_for_resolution, choose_bucket, cover_scale, shrink_rule
 from rampart.inputs.decode_job import prepare
-from rampart.inputs.decoding import STRIP_PIXELS, DecodeLimits, decode_image
+from rampart.errors import ImageTooLarge
+from rampart.inputs.decoding import STRIP_PIXELS, WEBP_PIXEL_SHARE, DecodeLimits, decode_image, webp_canvas_size
 from rampart.pipeline import decode_plan
 from tests.support import ROOT, encode, photo
 
@@ -148,13 +150,24 @@ def mode_bodies() -> dict[str, bytes]:
     }
 
 
-def test_every_mode_decodes_within_the_memory_of_an_8_bit_rgb_frame_of_its_size(tmp_path):
+def webp_bodies() -> dict[str, bytes]:
+    """The RGB and RGBA gradients of ``mode_bodies`` as lossy and lossless WebP (``VP8 ``, ``VP8L`` and ``VP8X``)."""
     bodies = mode_bodies()
+    rgb, rgba = (Image.open(io.BytesIO(bodies[mode])) for mode in ("RGB", "RGBA"))
+    return {"webp_lossy": encode(rgb, "WEBP", quality=80), "webp_lossless": encode(rgb, "WEBP", lossless=True, method=0),
+            "webp_alpha": encode(rgba, "WEBP", quality=80), "webp_exif": encode(rgb, "WEBP", quality=80, exif=b"Exif\x00\x00")}
+
+
+def test_every_mode_decodes_within_the_memory_of_an_8_bit_rgb_frame_of_its_size(tmp_path):
+    """Each mode at the same size within one RGB frame; a WebP (whose decoder holds about 16 bytes a pixel) within
+    one RGB frame of ``WEBP_PIXEL_SHARE`` times its size: what its own pixel limit lets through."""
+    bodies = {**mode_bodies(), **webp_bodies()}
     paths = {}
     for mode, data in bodies.items():
         paths[mode] = tmp_path / f"{mode.replace(';', '_')}.img"
         paths[mode].write_bytes(data)
-        assert Image.open(io.BytesIO(data)).mode == ("RGB" if mode == "YCbCr" else mode)  # the mode under test
+        if not mode.startswith("webp"):
+            assert Image.open(io.BytesIO(data)).mode == ("RGB" if mode == "YCbCr" else mode)  # the mode under test
     done = subprocess.run([sys.executable, "-c", _MEASURE, *map(str, paths.values())], cwd=ROOT,
                           capture_output=True, text=True, timeout=240, check=True)
     peaks = {mode: json.loads(done.stdout)[str(path)] for mode, path in paths.items()}
@@ -165,7 +178,32 @@ def test_every_mode_decodes_within_the_memory_of_an_8_bit_rgb_frame_of_its_size(
     # the 8-bit grey, the RGB strip and its reduction), 12 MiB at STRIP_PIXELS.
     slack = 24 * STRIP_PIXELS
     for mode, peak in peaks.items():
-        assert peak <= 1.1 * rgb_frame + slack, (mode, peaks)
+        share = WEBP_PIXEL_SHARE if mode.startswith("webp") else 1
+        assert peak <= share * (1.1 * rgb_frame + slack), (mode, peaks)
+    # The share is needed: a WebP costs more than twice the RGB frame of its size (16 bytes a pixel measured).
+    assert min(peak for mode, peak in peaks.items() if mode.startswith("webp")) > 2 * rgb_frame, peaks
+
+
+def test_webp_canvas_size_is_read_from_each_header_kind_as_pillow_reads_it():
+    for name, data in webp_bodies().items():
+        assert data[12:16] in (b"VP8 ", b"VP8L", b"VP8X"), name
+        assert webp_canvas_size(data) == Image.open(io.BytesIO(data)).size == MODE_SIZE, name
+    kinds = {data[12:16] for data in webp_bodies().values()}
+    assert kinds == {b"VP8 ", b"VP8L", b"VP8X"}, kinds
+    assert webp_canvas_size(b"RIFF\x00\x00\x00\x00WEBPVP8 ") is None  # too short: the decoder reports it
+
+
+def test_a_webp_over_its_share_of_the_pixel_limit_is_refused_before_decoding_and_one_within_is_decoded():
+    pixels = MODE_SIZE[0] * MODE_SIZE[1]
+    for name, data in webp_bodies().items():
+        at_limit = dataclasses.replace(PLAN.limits, max_pixels=pixels * WEBP_PIXEL_SHARE)
+        assert decode_image(data, at_limit).image.mode == "RGB", name
+        below = dataclasses.replace(at_limit, max_pixels=pixels * WEBP_PIXEL_SHARE - 1)
+        with pytest.raises(ImageTooLarge, match="the limit for WebP is"):
+            decode_image(data, below)
+    # Every other format keeps the whole limit.
+    png = mode_bodies()["RGB"]
+    assert decode_image(png, dataclasses.replace(PLAN.limits, max_pixels=pixels)).image.mode == "RGB"
 
 
 
