@@ -38,11 +38,12 @@ from typing import Awaitable, Callable
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp
 
 from rampart.api import http, oip
+from rampart.api.http import JsonResponse
 from rampart.api.lifecycle import Lifecycle
 from rampart.config import Settings
 from rampart.cores import usable_cores
@@ -268,7 +269,7 @@ async def classify(request: Request, state: AppState) -> Response:
             state.shadow.note_overload()  # mirrors pause while real traffic is shed
         return failed(request, call.request_id, call.priority, call.started, exc)
     result["timings_ms"] = {"before_handler": round(call.deadline.before_handler_ms(), 3), **result["timings_ms"]}
-    response = JSONResponse({"request_id": call.request_id, **result},
+    response = JsonResponse({"request_id": call.request_id, **result},
                             headers={"X-Request-Id": call.request_id,
                                      "Server-Timing": server_timing(result["timings_ms"])})
     finished(request, call.request_id, call.priority, call.started, 200, "ok", result)
@@ -292,7 +293,7 @@ async def classify_batch(request: Request, state: AppState) -> Response:
     timings = batch_timings_ms(results, (time.perf_counter() - call.started) * 1000.0)
     warnings = sorted({warning for result in results for warning in result.get("input_warnings", ())})
     finished(request, call.request_id, call.priority, call.started, 200, "ok", images=len(results), input_warnings=warnings)
-    return JSONResponse({"request_id": call.request_id, "results": results},
+    return JsonResponse({"request_id": call.request_id, "results": results},
                         headers={"X-Request-Id": call.request_id, "Server-Timing": server_timing(timings)})
 
 
@@ -351,10 +352,10 @@ async def stats(request: Request, state: AppState) -> Response:
         body[role]["runner"] = counters
         body[role]["runner_age_ms"] = round(age_s * 1000.0, 1)
     body["shadow"] = None if state.shadow is None else state.shadow.state()
-    return JSONResponse(body)
+    return JsonResponse(body)
 
 
-def failed(request: Request, request_id: str, priority: str, started: float, exc: Exception) -> JSONResponse:
+def failed(request: Request, request_id: str, priority: str, started: float, exc: Exception) -> JsonResponse:
     """The error response for ``exc`` (a ``RampartError``, else a logged 500), accounted and logged."""
     if not isinstance(exc, RampartError):
         logger.exception("unexpected failure for request %s", request_id, exc_info=exc)

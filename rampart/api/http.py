@@ -7,6 +7,7 @@ and ``error_response`` is the one place where an error becomes an HTTP response.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import uuid
 from typing import AsyncIterator, Awaitable, TypeVar
@@ -49,7 +50,24 @@ __all__ = [
     "is_multipart",
     "read_multipart",
     "error_response",
+    "JsonResponse",
 ]
+
+
+
+class JsonResponse(JSONResponse):
+    """Starlette's ``JSONResponse`` rendered as ASCII JSON (every non-ASCII character as a ``\\uXXXX`` escape).
+
+    Answers echo strings a client sent (an Open Inference Protocol request's ``id``, names), and a JSON body
+    may hold a lone UTF-16 surrogate (``"\\ud800"``), which ``json.loads`` accepts and UTF-8 cannot encode:
+    Starlette's own rendering (``ensure_ascii=False``, then UTF-8) raised, and the client got a plain-text 500.
+    Escaped, every ``str`` renders, and any JSON parser reads the same characters back. Every JSON answer of
+    the API layer uses this class.
+    """
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, indent=None, separators=(",", ":")).encode("ascii")
+
 
 #: Room for multipart boundaries and part headers on top of the image byte cap, per image.
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
@@ -334,11 +352,11 @@ class MultipartParts:
         self.data, self.text_name = None, None
 
 
-def error_response(error: RampartError, request_id: str) -> JSONResponse:
+def error_response(error: RampartError, request_id: str) -> JsonResponse:
     """The JSON error response for ``error``, with ``Retry-After`` on 429 and 503 and ``Allow`` on 405."""
     headers = {"X-Request-Id": request_id}
     if isinstance(error, (Overloaded, Unavailable)):
         headers["Retry-After"] = str(max(1, round(error.retry_after_s)))
     if isinstance(error, MethodNotAllowed) and error.allowed:
         headers["Allow"] = ", ".join(error.allowed)
-    return JSONResponse(error.to_body(request_id), status_code=error.status, headers=headers)
+    return JsonResponse(error.to_body(request_id), status_code=error.status, headers=headers)

@@ -72,10 +72,11 @@ from typing import Any, AsyncIterator, Callable, Protocol
 import numpy as np
 from PIL import Image
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 from starlette.routing import Route
 
 from rampart.api import http
+from rampart.api.http import JsonResponse
 from rampart.config import Settings
 from rampart.overload.deadline import Deadline, run_within
 from rampart.errors import (BodyTimeout, EmptyBody, ImageTooLarge, InternalError, InvalidParameter, MethodNotAllowed,
@@ -582,13 +583,13 @@ def encode_infer_response(parsed: InferRequest, results: list[dict], top_k: int,
         body["id"] = parsed.id
     headers = {"X-Request-Id": request_id}
     if not blobs:
-        return JSONResponse(body, headers=headers)
+        return JsonResponse(body, headers=headers)
     header = json.dumps(body, separators=(",", ":")).encode("utf-8")
     headers[HEADER_LENGTH] = str(len(header))
     return Response(header + b"".join(blobs), media_type="application/octet-stream", headers=headers)
 
 
-def error_response(error: RampartError, request_id: str) -> JSONResponse:
+def error_response(error: RampartError, request_id: str) -> JsonResponse:
     """The protocol's error body ``{"error": "<code>: <message>"}`` with Rampart's status (and ``Retry-After``
     on 429 and 503, ``Allow`` on 405)."""
     headers = {"X-Request-Id": request_id}
@@ -597,7 +598,7 @@ def error_response(error: RampartError, request_id: str) -> JSONResponse:
         headers["Retry-After"] = str(max(1, round(retry_after_s)))
     if isinstance(error, MethodNotAllowed) and error.allowed:
         headers["Allow"] = ", ".join(error.allowed)
-    return JSONResponse({"error": f"{error.code}: {error.message}"}, status_code=error.status, headers=headers)
+    return JsonResponse({"error": f"{error.code}: {error.message}"}, status_code=error.status, headers=headers)
 
 
 def model_metadata(version: str) -> dict:
@@ -811,44 +812,44 @@ def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -
     limits = Limits.of(settings)
     statistics = InferenceStatistics()
 
-    def unknown_model(request: Request) -> JSONResponse | None:
+    def unknown_model(request: Request) -> JsonResponse | None:
         name = request.path_params["name"]
         wanted = request.path_params.get("version")
         if name != MODEL_NAME or (wanted is not None and wanted != MODEL_VERSION):
             asked = name if wanted is None else f"{name} version {wanted}"
-            return JSONResponse({"error": f"unknown model {asked[:200]!r}; this server serves {MODEL_NAME!r} "
+            return JsonResponse({"error": f"unknown model {asked[:200]!r}; this server serves {MODEL_NAME!r} "
                                           f"version {MODEL_VERSION!r}"}, status_code=404)
         return None
 
-    async def server_metadata(request: Request) -> JSONResponse:
-        return JSONResponse({"name": MODEL_NAME, "version": SERVER_VERSION, "extensions": EXTENSIONS})
+    async def server_metadata(request: Request) -> JsonResponse:
+        return JsonResponse({"name": MODEL_NAME, "version": SERVER_VERSION, "extensions": EXTENSIONS})
 
-    async def live(request: Request) -> JSONResponse:
-        return JSONResponse({"live": True})
+    async def live(request: Request) -> JsonResponse:
+        return JsonResponse({"live": True})
 
-    async def ready(request: Request) -> JSONResponse:
+    async def ready(request: Request) -> JsonResponse:
         is_ready = backend.ready()
-        return JSONResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
+        return JsonResponse({"ready": is_ready}, status_code=200 if is_ready else 503)
 
-    async def model_ready(request: Request) -> JSONResponse:
+    async def model_ready(request: Request) -> JsonResponse:
         missing = unknown_model(request)
         if missing is not None:
             return missing
         is_ready = backend.ready()
-        return JSONResponse({"name": MODEL_NAME, "ready": is_ready}, status_code=200 if is_ready else 503)
+        return JsonResponse({"name": MODEL_NAME, "ready": is_ready}, status_code=200 if is_ready else 503)
 
-    async def metadata(request: Request) -> JSONResponse:
-        return unknown_model(request) or JSONResponse(model_metadata(MODEL_VERSION))
+    async def metadata(request: Request) -> JsonResponse:
+        return unknown_model(request) or JsonResponse(model_metadata(MODEL_VERSION))
 
-    async def config(request: Request) -> JSONResponse:
+    async def config(request: Request) -> JsonResponse:
         if (missing := unknown_model(request)) is not None:
             return missing
         pipeline = backend.pipeline
         models = {role: f"{lane.endpoint.name}:{lane.endpoint.version}"
                   for role, lane in (("primary", pipeline.primary), ("fallback", pipeline.fallback))}
-        return JSONResponse(model_config(settings, MODEL_VERSION, models))
+        return JsonResponse(model_config(settings, MODEL_VERSION, models))
 
-    async def index(request: Request) -> JSONResponse:
+    async def index(request: Request) -> JsonResponse:
         request_id = http.request_id_of(request)
         try:
             deadline = http.parse_deadline(request, settings)
@@ -862,14 +863,14 @@ def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -
                 raise InvalidParameter("'ready' must be true or false")
         except RampartError as exc:
             return error_response(exc, request_id)
-        return JSONResponse(repository_index(MODEL_VERSION, backend.ready(), ready_only))
+        return JsonResponse(repository_index(MODEL_VERSION, backend.ready(), ready_only))
 
-    async def stats(request: Request) -> JSONResponse:
+    async def stats(request: Request) -> JsonResponse:
         if "name" in request.path_params:
             missing = unknown_model(request)
             if missing is not None:
                 return missing
-        return JSONResponse({"model_stats": [statistics.body(MODEL_VERSION)]})
+        return JsonResponse({"model_stats": [statistics.body(MODEL_VERSION)]})
 
     async def infer(request: Request) -> Response:
         started, request_id = time.perf_counter(), http.request_id_of(request)

@@ -18,7 +18,7 @@ import zlib
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 import tritonclient.http as triton
 from PIL import Image
 
@@ -216,9 +216,12 @@ def test_json_pixels_up_to_the_cap_are_accepted():
     assert np.array_equal(np.asarray(Image.open(io.BytesIO(image))), pixels[0])
 
 
+#: Every code point, lone UTF-16 surrogates included (JSON's "\\ud800" escape gives one; hypothesis leaves them out
+#: by default).
+ANY_CHARACTER = st.characters(exclude_categories=())
 #: Values hypothesis puts anywhere in a request: every JSON type, numbers beyond every dtype, NaN/Infinity.
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.integers(-(10**30), 10**30),
-                    st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12),
+                    st.floats(allow_nan=True, allow_infinity=True), st.text(ANY_CHARACTER, max_size=12),
                     st.sampled_from(["IMAGE", "PIXELS", "BYTES", "UINT8", "eA==", "", "high", "1e300"]))
 VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
     st.sampled_from(["name", "datatype", "shape", "data", "parameters", "binary_data_size", "top_k", "inputs"])
@@ -387,6 +390,20 @@ def test_hostile_bodies_through_the_route_are_protocol_errors_and_the_next_reque
         assert 400 <= response.status_code < 500 and isinstance(response.json()["error"], str), (name, response.text)
     body, headers = infer_body([CAT])
     assert rig.client.post("/v2/models/rampart/infer", content=body, headers=headers).status_code == 200
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.text(ANY_CHARACTER, max_size=8) | st.text(st.characters(categories=["Cs"]), min_size=1, max_size=3))
+@example("\ud800")
+@example("r\udfff\u00e9")
+def test_any_request_id_is_echoed_in_a_json_answer(rig, request_id):
+    """The answer echoes the request's ``id``; any string JSON can carry, a lone surrogate (``"\\ud800"``, which
+    UTF-8 cannot encode) included, comes back as the same string (it was a plain-text 500)."""
+    body = {"id": request_id, "parameters": {"deadline_ms": DEADLINE_MS},
+            "inputs": [{"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": [base64.b64encode(CAT).decode()]}]}
+    response = rig.client.post("/v2/models/rampart/infer", content=json.dumps(body).encode())
+    assert response.status_code == 200, response.text
+    assert json.loads(response.content)["id"] == json.loads(json.dumps(request_id))  # a surrogate pair reads as one
 
 
 def test_the_shipped_perf_analyzer_inputs_are_what_make_inputs_builds_and_parse():
