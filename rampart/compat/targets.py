@@ -129,6 +129,10 @@ TARGETS: tuple[Target, ...] = (
     # Replaced: uvicorn's plain-text 400 for bytes the parser refuses (a JSON malformed_request instead).
     Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "HttpToolsProtocol.send_400_response",
            "62719a7bb676f7ad062d22d296fe10ab3899d45530d932524a5b1cfbed745a34"),
+    # Trailer fields of a chunked body are dropped (HeadLimitedProtocol.on_header): uvicorn appends every field
+    # llhttp reports, after the head too, to the list the ASGI scope holds as its headers.
+    Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "HttpToolsProtocol.on_header",
+           "a5fcba108a221bc7abdf9329bcc32f4a5df859e039cffdf2c60c5e0d6f1cc89a"),
     Target("uvicorn_httptools.stamp_arrivals", _HTTPTOOLS, "HttpToolsProtocol.on_message_begin",
            "8b027723aca379722d73c79e47b4d65ea5bf8c977a6706939a00209b7ae5c912"),
     Target("uvicorn_app.serve_behind_bound", "uvicorn.config", "Config.load",

@@ -41,6 +41,11 @@ upgrade to a protocol Rampart does not serve (``Upgrade: h2c``; only a served We
 gets the same answer from ``on_headers_complete``, before any app runs: llhttp stops parsing at the
 end of its head, so its body and every later request on the connection were lost.
 
+**Trailers stay out of the headers.** uvicorn appends every header field llhttp reports to the list
+the ASGI scope holds as the request's headers, the trailer fields after a chunked body too; when the
+whole request arrived in one read, the app saw them as headers. ``HeadLimitedProtocol.on_header``
+drops a field that arrives after the head (RFC 9110, section 6.5.1).
+
 **First byte.** ``stamp_arrivals()`` notes when each request's first byte arrived in its
 ASGI scope (``rampart.api.arrival.ARRIVAL_KEY``), where the deadline clock starts.
 
@@ -137,6 +142,14 @@ class HeadLimitedProtocol(HttpToolsProtocol):
             return across + len(_END_OF_HEAD) - len(self._head_tail)
         end = data.find(_END_OF_HEAD)
         return len(data) if end < 0 else end + len(_END_OF_HEAD)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """A header field of the head; a trailer field (after a chunked body, when the head is complete) is
+        dropped. uvicorn appended it to the list the ASGI scope holds as the request's headers, so a trailer
+        ``X-Priority`` or ``X-Deadline-Ms`` took effect as a header, past any proxy that checks the head only;
+        RFC 9110, section 6.5.1: trailer fields are not merged into the header section unless known to be safe."""
+        if self._in_head:
+            super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
         self._in_head = False

@@ -1,7 +1,8 @@
-"""Request bounds on a real server: JSON 404/405, bounded metric series, Server-Timing on batches, request-head limit, JSON 400 for what the HTTP parser refuses, part bombs answered fast while others are served."""
+"""Request bounds on a real server: JSON 404/405, bounded metric series, Server-Timing on batches, request-head limit, JSON 400 for what the HTTP parser refuses, trailer fields kept out of the headers, part bombs answered fast while others are served."""
 
 from __future__ import annotations
 
+import json
 import random
 import socket
 import threading
@@ -119,6 +120,21 @@ def test_request_head_under_the_limit_is_served(http):
     headers = {f"X-{i}": "a" * 1000 for i in range(MAX_HEAD_BYTES // 1100)}
     assert http.get("/livez", headers=headers).status_code == 200
     assert http.post("/classify", content=encode(photo("coffee")), headers=headers).status_code == 200
+
+
+def test_trailer_fields_after_a_chunked_upload_are_not_read_as_headers(server):
+    """A photo sent chunked, in one write, whose trailer says ``X-Deadline-Ms: 1``, ``X-Priority: bogus`` and
+    ``X-Request-Id``: the photo is classified as if there were no trailer (they gave a 422 and the trailer's id)."""
+    photo_bytes = encode(photo("chelsea"))
+    request = (b"POST /classify HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
+               + b"%x\r\n" % len(photo_bytes) + photo_bytes + b"\r\n0\r\n"
+               + b"X-Deadline-Ms: 1\r\nX-Priority: bogus\r\nX-Request-Id: from-trailer\r\n\r\n")
+    reply = send_raw(server, request, len(request))
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), reply[:600]
+    answer = json.loads(body)
+    assert answer["request_id"] != "from-trailer" and answer["degraded_reason"] is None, answer
+    assert {label["index"] for label in answer["labels"]} & PHOTOS["chelsea"], answer
 
 
 def test_part_bombs_get_fast_4xx_while_livez_and_ordinary_requests_are_served(server):

@@ -4,7 +4,8 @@ Each test runs uvicorn (``HeadLimitedProtocol`` with short timeouts) on 127.0.0.
 event loop and talks to it with asyncio streams: a connection that sends nothing, or trickles its
 head, is closed once the head timeout has passed; an answered keep-alive connection is closed by the
 keep-alive timeout, not the head timeout, and its next request's head is timed again. The same on
-``bentoml serve``: ``tests/server/test_idle_connections.py``.
+``bentoml serve``: ``tests/server/test_idle_connections.py``. Last, the same protocol keeps the trailer
+fields of a chunked body out of the request's headers.
 """
 
 from __future__ import annotations
@@ -174,3 +175,34 @@ def test_limit_request_heads_takes_both_timeouts_from_the_settings():
         assert (HeadLimitedProtocol.head_timeout_s, HeadLimitedProtocol.keep_alive_timeout_s) == (1.5, 2.5)
     finally:
         HeadLimitedProtocol.head_timeout_s, HeadLimitedProtocol.keep_alive_timeout_s = before
+
+
+def test_trailer_fields_of_a_chunked_body_never_reach_the_request_s_headers():
+    """A chunked request whose trailer carries ``X-Priority`` and ``X-Deadline-Ms``, sent in one write (uvicorn
+    appended the trailer fields to the scope's headers, so an app that read them after the body saw them)."""
+    seen: list[list[tuple[bytes, bytes]]] = []
+
+    async def app(scope, receive, send) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        seen.append(list(scope["headers"]))
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nX-Request-Id: from-head\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"4\r\nbody\r\n0\r\nX-Priority: high\r\nX-Deadline-Ms: 1\r\nX-Request-Id: from-trailer\r\n\r\n"
+                     + REQUEST)  # and a pipelined request after it: its head is read as usual
+        await answered(reader)
+        await answered(reader)
+        writer.close()
+
+    serving(test, app)
+    first, second = ({name for name, _ in headers} for headers in seen)
+    assert first == {b"host", b"x-request-id", b"transfer-encoding"}, seen[0]
+    assert dict(seen[0])[b"x-request-id"] == b"from-head" and second == {b"host"}, seen
