@@ -8,6 +8,7 @@ in a child process, in the same run), and metadata that never refuses pixels nor
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import struct
@@ -150,12 +151,21 @@ def mode_bodies() -> dict[str, bytes]:
     }
 
 
-def webp_bodies() -> dict[str, bytes]:
-    """The RGB and RGBA gradients of ``mode_bodies`` as lossy and lossless WebP (``VP8 ``, ``VP8L`` and ``VP8X``)."""
-    bodies = mode_bodies()
-    rgb, rgba = (Image.open(io.BytesIO(bodies[mode])) for mode in ("RGB", "RGBA"))
-    return {"webp_lossy": encode(rgb, "WEBP", quality=80), "webp_lossless": encode(rgb, "WEBP", lossless=True, method=0),
-            "webp_alpha": encode(rgba, "WEBP", quality=80), "webp_exif": encode(rgb, "WEBP", quality=80, exif=b"Exif\x00\x00")}
+@functools.lru_cache(maxsize=2)
+def webp_bodies(size: tuple[int, int] = MODE_SIZE) -> dict[str, bytes]:
+    """A ``size`` gradient, RGB and RGBA, as lossy and lossless WebP (``VP8 ``, ``VP8L`` and ``VP8X``); made once."""
+    ramp = np.linspace(0, 255, size[0], dtype=np.float32)[None, :] * np.linspace(0.2, 1, size[1], dtype=np.float32)[:, None]
+    grey = Image.fromarray(ramp.astype(np.uint8))
+    rgb = Image.merge("RGB", (grey, grey.transpose(Image.Transpose.FLIP_LEFT_RIGHT), grey.transpose(Image.Transpose.FLIP_TOP_BOTTOM)))
+    rgba = Image.merge("RGBA", (*rgb.split(), grey))
+    return {"webp_lossy": encode(rgb, "WEBP", quality=80, method=0),
+            "webp_lossless": encode(rgb, "WEBP", lossless=True, quality=0, method=0),
+            "webp_alpha": encode(rgba, "WEBP", quality=80, method=0),
+            "webp_exif": encode(rgb, "WEBP", quality=80, method=0, exif=b"Exif\x00\x00")}
+
+
+#: The size of the WebPs whose headers and limits are checked (small: nothing there depends on it).
+SMALL = (320, 200)
 
 
 def test_every_mode_decodes_within_the_memory_of_an_8_bit_rgb_frame_of_its_size(tmp_path):
@@ -185,24 +195,24 @@ def test_every_mode_decodes_within_the_memory_of_an_8_bit_rgb_frame_of_its_size(
 
 
 def test_webp_canvas_size_is_read_from_each_header_kind_as_pillow_reads_it():
-    for name, data in webp_bodies().items():
+    for name, data in webp_bodies(SMALL).items():
         assert data[12:16] in (b"VP8 ", b"VP8L", b"VP8X"), name
-        assert webp_canvas_size(data) == Image.open(io.BytesIO(data)).size == MODE_SIZE, name
-    kinds = {data[12:16] for data in webp_bodies().values()}
+        assert webp_canvas_size(data) == Image.open(io.BytesIO(data)).size == SMALL, name
+    kinds = {data[12:16] for data in webp_bodies(SMALL).values()}
     assert kinds == {b"VP8 ", b"VP8L", b"VP8X"}, kinds
     assert webp_canvas_size(b"RIFF\x00\x00\x00\x00WEBPVP8 ") is None  # too short: the decoder reports it
 
 
 def test_a_webp_over_its_share_of_the_pixel_limit_is_refused_before_decoding_and_one_within_is_decoded():
-    pixels = MODE_SIZE[0] * MODE_SIZE[1]
-    for name, data in webp_bodies().items():
+    pixels = SMALL[0] * SMALL[1]
+    for name, data in webp_bodies(SMALL).items():
         at_limit = dataclasses.replace(PLAN.limits, max_pixels=pixels * WEBP_PIXEL_SHARE)
         assert decode_image(data, at_limit).image.mode == "RGB", name
         below = dataclasses.replace(at_limit, max_pixels=pixels * WEBP_PIXEL_SHARE - 1)
         with pytest.raises(ImageTooLarge, match="the limit for WebP is"):
             decode_image(data, below)
     # Every other format keeps the whole limit.
-    png = mode_bodies()["RGB"]
+    png = encode(Image.new("RGB", SMALL, (20, 90, 160)), "PNG")
     assert decode_image(png, dataclasses.replace(PLAN.limits, max_pixels=pixels)).image.mode == "RGB"
 
 
