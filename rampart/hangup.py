@@ -20,7 +20,9 @@ The request is counted in ``rampart_client_gone_total{stage}``, ``stage`` being 
 handler's own parsing, then ``queue``, ``model`` and ``answer``), kept by
 ``set_stage`` in a per-request ``Request`` found through a context variable (tasks the request
 starts see the same one). No response is sent (there is nobody to read it); uvicorn then logs
-nothing, since the connection is marked disconnected.
+nothing, since the connection is marked disconnected. A connection that closes while the answer is
+written (``rampart.compat.uvicorn_cycle.connection_closed``: the write is refused before uvicorn has
+marked it disconnected) is counted the same way, at ``answer``, instead of failing the request.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import asyncio
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Callable
+
+from rampart.compat.uvicorn_cycle import connection_closed
 
 __all__ = ["STAGES", "Request", "serve_until_hang_up", "set_stage", "hung_up"]
 
@@ -92,7 +96,15 @@ async def serve_until_hang_up(app: Callable, scope: dict, receive: Callable, sen
         if message.get("type") == "http.response.start":
             started = True
             request.stage = "answer"
-        await send(message)
+        if request.gone:
+            return  # the connection closed under an earlier part of the answer: nothing more is written
+        try:
+            await send(message)
+        except RuntimeError:
+            if not connection_closed(send):
+                raise
+            request.gone = True  # the client went while its answer was written: counted, not an error
+            on_gone(request.stage)
 
     try:
         await app(scope, receive_body, send_marking)

@@ -13,6 +13,8 @@ fails on a private import anywhere else):
   ``HeadLimitedProtocol``, ``stamp_arrivals``).
 - ``uvicorn_app``: the app uvicorn serves, whatever its protocol (``serve_behind_bound``: the
   in-flight bound, which needs no httptools).
+- ``uvicorn_cycle``: uvicorn's request cycle read as it is, patched nowhere (``connection_closed``: a
+  write refused because the client's connection closed, under ``rampart.hangup``).
 - ``bentoml_private``: private BentoML names used as they are, patched nowhere (``debug_mode``,
   ``service_app_factory``).
 - ``bentoml_wire``: BentoML's runner-call wire format built and read with BentoML's own objects,

@@ -135,6 +135,15 @@ TARGETS: tuple[Target, ...] = (
            "a5fcba108a221bc7abdf9329bcc32f4a5df859e039cffdf2c60c5e0d6f1cc89a"),
     Target("uvicorn_httptools.stamp_arrivals", _HTTPTOOLS, "HttpToolsProtocol.on_message_begin",
            "8b027723aca379722d73c79e47b4d65ea5bf8c977a6706939a00209b7ae5c912"),
+    # A write refused because the client's connection closed before uvicorn marked the cycle disconnected.
+    Target("uvicorn_cycle.connection_closed", _HTTPTOOLS, "RequestResponseCycle.__init__",
+           "5a7283a0be2bf49f60c083a7c5f45b15c1c78c3026d678354426dcafc2e24300"),
+    Target("uvicorn_cycle.connection_closed", _HTTPTOOLS, "RequestResponseCycle.send",
+           "1353b43763cb14d450633937a013a488710a5dd2c455bc1667fa604f748e084b"),
+    Target("uvicorn_cycle.connection_closed", "uvicorn.protocols.http.h11_impl", "RequestResponseCycle.__init__",
+           "e7e76bfeb3573aea514f1a64154f6f1a99c7a2a8ff94f62cf95a96b83d04413b"),
+    Target("uvicorn_cycle.connection_closed", "uvicorn.protocols.http.h11_impl", "RequestResponseCycle.send",
+           "911ac3ec8826c66bf2f5aa1fb5f2550eb40a2352713033a57af6ad12f2d54de1"),
     Target("uvicorn_app.serve_behind_bound", "uvicorn.config", "Config.load",
            "18b38398dc8c3478e90b9ef737d1f21a49f0303af365c2b0aaa81e0ab8f4c335"),
     # Not patched: the runner calls' wire format, which rampart.runner_client builds and reads with these.

@@ -117,6 +117,50 @@ def test_an_answer_already_started_is_not_cancelled_and_other_cancellations_prop
     asyncio.run(scenario())
 
 
+class ClosingTransport:
+    """A transport that is closing, as uvloop's is after a failed write and before ``connection_lost`` runs."""
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def __init__(self, closing: bool) -> None:
+        self.closing = closing
+
+
+class RefusingCycle:
+    """A uvicorn-like request cycle (``transport``, bound ``send``) whose writes the event loop refuses, as
+    uvloop does on a closed transport."""
+
+    def __init__(self, closing: bool) -> None:
+        self.transport = ClosingTransport(closing)
+        self.writes = 0
+
+    async def send(self, message: dict) -> None:
+        self.writes += 1
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>; the handler is closed")
+
+
+def test_an_answer_whose_connection_closed_under_it_is_a_client_gone_not_an_error():
+    """A client that pipelined uploads and hung up: its answer's write is refused before uvicorn marks the
+    connection lost (it logged ``Exception in ASGI application``). Counted at ``answer``; the rest of the
+    answer is not written; a refused write on an open transport is still an error."""
+    async def answering(scope, receive, send):
+        await read_body(receive)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async def scenario():
+        before, closed = gone_count("answer"), RefusingCycle(closing=True)
+        await serve_until_hang_up(answering, {"type": "http"}, Connection().receive, closed.send, count)
+        assert closed.writes == 1 and gone_count("answer") == before + 1
+        open_but_refusing = RefusingCycle(closing=False)
+        with pytest.raises(RuntimeError, match="unable to perform operation"):
+            await serve_until_hang_up(answering, {"type": "http"}, Connection().receive, open_but_refusing.send, count)
+        assert gone_count("answer") == before + 1
+
+    asyncio.run(scenario())
+
+
 def pipeline_with_a_slow_primary(seconds: float) -> tuple[Pipeline, list]:
     calls: list = []
     inner = StandIn(1)
