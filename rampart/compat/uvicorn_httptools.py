@@ -41,6 +41,12 @@ upgrade to a protocol Rampart does not serve (``Upgrade: h2c``; only a served We
 gets the same answer from ``on_headers_complete``, before any app runs: llhttp stops parsing at the
 end of its head, so its body and every later request on the connection were lost.
 
+**A bound on pipelined requests.** uvicorn parses every request of a read at once and queues each behind
+the one being answered; a connection writing 256 KiB of tiny requests queued about 8,000. Past
+``MAX_PIPELINED_REQUESTS`` queued, ``HeadLimitedProtocol`` stops the parser in that read, reads nothing
+more, and closes the connection after answering what was queued (nginx reads a pipelined request only
+when the one before it is answered).
+
 **Trailers stay out of the headers.** uvicorn appends every header field llhttp reports to the list
 the ASGI scope holds as the request's headers, the trailer fields after a chunked body too; when the
 whole request arrived in one read, the app saw them as headers. ``HeadLimitedProtocol.on_header``
@@ -69,7 +75,7 @@ from rampart.telemetry import metrics
 from rampart.telemetry.accesslog import log_request
 from rampart.errors import HeadersTooLarge, MalformedRequest, RampartError
 
-__all__ = ["MAX_HEAD_BYTES", "HeadLimitedProtocol", "limit_request_heads", "stamp_arrivals"]
+__all__ = ["MAX_HEAD_BYTES", "MAX_PIPELINED_REQUESTS", "HeadLimitedProtocol", "limit_request_heads", "stamp_arrivals"]
 
 #: Longest request head (request line, headers, their line ends) accepted, in bytes.
 #: AWS ALB allows 64 KiB in all; nginx 4 × 8 KiB lines by default, Node.js 16 KiB.
@@ -79,6 +85,15 @@ MAX_HEAD_BYTES = 64 * 1024
 #: reset the connection, and the client could lose the 431 before reading it.
 LINGER_S = 2.0
 _END_OF_HEAD = b"\r\n\r\n"
+#: Requests a connection may queue behind the one being answered (HTTP/1.1 pipelining). uvicorn parses every
+#: request of a read at once and queued each: 50 connections writing 256 KiB of ``GET /livez`` each (12.5 MiB)
+#: took the API worker from 106 MiB to about 1 GB and stalled its event loop for seconds. Past this many the
+#: rest of the read is not parsed, nothing more is read, and the connection closes after the queued answers.
+MAX_PIPELINED_REQUESTS = 32
+
+
+class _PipelineTooDeep(Exception):
+    """Raised from a parser callback to stop llhttp inside a read (``HeadLimitedProtocol._stop_pipelining``)."""
 
 
 class HeadLimitedProtocol(HttpToolsProtocol):
@@ -111,6 +126,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._head_bytes = 0
         self._head_tail = b""  # the head's last bytes so far, to find an end cut between two reads
         self._refused = False  # a 431 or an upgrade refusal was sent: what still arrives is dropped until the close
+        self._pipeline_stopped = False  # more than MAX_PIPELINED_REQUESTS were queued: nothing more is parsed
         self._head_timer: TimerHandle | None = None  # armed while a head is awaited or incomplete
         self.timeout_keep_alive = self.keep_alive_timeout_s
 
@@ -159,6 +175,21 @@ class HeadLimitedProtocol(HttpToolsProtocol):
             self._refuse_upgrade(upgrade)
             return
         super().on_headers_complete()
+        if len(self.pipeline) > MAX_PIPELINED_REQUESTS:
+            self._stop_pipelining()
+
+    def _stop_pipelining(self) -> None:
+        """A connection that queued more than ``MAX_PIPELINED_REQUESTS`` requests: the one whose head just
+        ended is dropped (its body is never read), the ``MAX_PIPELINED_REQUESTS`` before it are answered in
+        order, the last of them with ``connection: close`` (uvicorn closes after it), and nothing more is
+        parsed or read. Raises ``_PipelineTooDeep`` to stop the parser inside this read; uvicorn's
+        ``data_received`` takes it for a parse error and calls ``send_400_response``, which then sends nothing."""
+        self._refused = True  # data_received drops what still arrives
+        self._pipeline_stopped = True
+        self.pipeline.popleft()  # uvicorn queues the newest on the left
+        last, _ = self.pipeline[0]
+        last.keep_alive = False
+        raise _PipelineTooDeep(f"more than {MAX_PIPELINED_REQUESTS} requests queued on one connection")
 
     def _refuse_upgrade(self, upgrade: bytes) -> None:
         """Answer a request asking to upgrade to a protocol Rampart does not speak (``Connection: upgrade``,
@@ -209,7 +240,10 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes the HTTP parser refuses (``msg``: its text), as Rampart's JSON
-        ``malformed_request``; the connection is closed, as uvicorn closes it."""
+        ``malformed_request``; the connection is closed, as uvicorn closes it. Nothing when the parser was
+        stopped on purpose (``_stop_pipelining``): the queued requests are still to be answered."""
+        if self._pipeline_stopped:
+            return
         self._cancel_head_timer()
         self._write_error(MalformedRequest(f"{msg} The request could not be parsed as HTTP/1.1."), b"400 Bad Request")
         self.transport.close()

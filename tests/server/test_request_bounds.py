@@ -1,7 +1,8 @@
-"""Request bounds on a real server: JSON 404/405, bounded metric series, Server-Timing on batches, request-head limit, JSON 400 for what the HTTP parser refuses, trailer fields kept out of the headers, part bombs answered fast while others are served."""
+"""Request bounds on a real server: JSON 404/405, bounded metric series, Server-Timing on batches, request-head limit, JSON 400 for what the HTTP parser refuses, trailer fields kept out of the headers, pipelining floods, part bombs answered fast while others are served."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import socket
@@ -135,6 +136,50 @@ def test_trailer_fields_after_a_chunked_upload_are_not_read_as_headers(server):
     answer = json.loads(body)
     assert answer["request_id"] != "from-trailer" and answer["degraded_reason"] is None, answer
     assert {label["index"] for label in answer["labels"]} & PHOTOS["chelsea"], answer
+
+
+#: Growth of the API worker's RSS while 20 connections pipeline 256 KiB of ``GET /livez`` each and never read:
+#: the queued requests of MAX_PIPELINED_REQUESTS a connection. With every request of a read queued, 50 such
+#: connections raised it by about 900 MB; with the bound, by 11 MB.
+PIPELINE_FLOOD_RSS_GROWTH_BOUND_MB = 100
+
+
+def test_a_pipelining_flood_costs_no_memory_and_livez_and_a_photo_are_answered_during_it(server):
+    """20 connections each write 256 KiB of pipelined ``GET /livez`` (about 6,500 requests each) and never read
+    their answers: meanwhile ``/livez`` answers and a photo is classified by the primary."""
+    import psutil
+
+    from bench.process_cpu import server_processes
+
+    (api,) = [process for role, process in server_processes(server.process.pid).values() if role == "api"]
+    baseline = api.memory_info().rss
+    flood = b"GET /livez HTTP/1.1\r\nHost: x\r\n\r\n" * (256 * 1024 // 38)
+    sockets = []
+    for _ in range(20):
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", server.port))
+        sock.setblocking(False)
+        sockets.append([sock, 0])
+    peak, livez_ok, started = baseline, 0, time.monotonic()
+    try:
+        while time.monotonic() - started < 3.0:
+            for entry in sockets:
+                try:
+                    entry[1] += entry[0].send(flood[entry[1]:]) if entry[1] < len(flood) else 0
+                except (BlockingIOError, ConnectionError):
+                    pass
+            with contextlib.suppress(psutil.Error):
+                peak = max(peak, api.memory_info().rss)
+            livez_ok += httpx.get(f"{server.url}/livez", timeout=5).status_code == 200
+            time.sleep(0.05)
+        answer = httpx.post(f"{server.url}/classify", content=encode(photo("chelsea")), timeout=30).json()
+    finally:
+        for entry in sockets:
+            entry[0].close()
+    assert (peak - baseline) / 1e6 < PIPELINE_FLOOD_RSS_GROWTH_BOUND_MB, f"API worker RSS grew by {(peak - baseline) / 1e6:.0f} MB"
+    assert livez_ok >= 10 and sum(entry[1] for entry in sockets) > 0
+    assert answer["degraded_reason"] is None and {label["index"] for label in answer["labels"]} & PHOTOS["chelsea"], answer
 
 
 def test_part_bombs_get_fast_4xx_while_livez_and_ordinary_requests_are_served(server):

@@ -5,7 +5,7 @@ event loop and talks to it with asyncio streams: a connection that sends nothing
 head, is closed once the head timeout has passed; an answered keep-alive connection is closed by the
 keep-alive timeout, not the head timeout, and its next request's head is timed again. The same on
 ``bentoml serve``: ``tests/server/test_idle_connections.py``. Last, the same protocol keeps the trailer
-fields of a chunked body out of the request's headers.
+fields of a chunked body out of the request's headers, and bounds the requests a connection may pipeline.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 
 import uvicorn
 
-from rampart.compat.uvicorn_httptools import HeadLimitedProtocol
+from rampart.compat.uvicorn_httptools import MAX_PIPELINED_REQUESTS, HeadLimitedProtocol
 
 HEAD_S = 0.3
 KEEP_ALIVE_S = 0.8
@@ -206,3 +206,30 @@ def test_trailer_fields_of_a_chunked_body_never_reach_the_request_s_headers():
     first, second = ({name for name, _ in headers} for headers in seen)
     assert first == {b"host", b"x-request-id", b"transfer-encoding"}, seen[0]
     assert dict(seen[0])[b"x-request-id"] == b"from-head" and second == {b"host"}, seen
+
+
+def test_a_connection_pipelining_past_the_bound_gets_the_queued_answers_then_is_closed():
+    """2,000 requests in one write (uvicorn queued every one): the one being answered and
+    ``MAX_PIPELINED_REQUESTS`` queued behind it are answered in order, the last with ``connection: close``,
+    and the connection is closed; nothing past them was parsed. A connection pipelining fewer is served whole."""
+    answers: dict[str, list[bytes]] = {}
+
+    async def test(port: int) -> None:
+        for name, count in (("flood", 2000), ("within", MAX_PIPELINED_REQUESTS)):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(REQUEST * count + (b"" if name == "flood" else b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"))
+            heads = []
+            while True:
+                try:
+                    heads.append(await answered(reader))
+                except (asyncio.IncompleteReadError, ConnectionResetError):
+                    break
+            answers[name] = heads
+            writer.close()
+
+    serving(test)
+    flood, within = answers["flood"], answers["within"]
+    assert len(flood) == 1 + MAX_PIPELINED_REQUESTS, len(flood)
+    assert all(head.startswith(b"HTTP/1.1 200") for head in flood)
+    assert b"connection: close" in flood[-1].lower() and not any(b"connection: close" in h.lower() for h in flood[:-1])
+    assert len(within) == MAX_PIPELINED_REQUESTS + 1 and all(head.startswith(b"HTTP/1.1 200") for head in within)
