@@ -66,10 +66,10 @@ import uuid
 
 from asyncio import TimerHandle
 
-from starlette.responses import JSONResponse
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from rampart.api.arrival import ARRIVAL_KEY
+from rampart.api.http import JsonResponse
 from rampart.config import ConnectionSettings, Settings, get_settings
 from rampart.telemetry import metrics
 from rampart.telemetry.accesslog import log_request
@@ -252,7 +252,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         """Write ``error`` as a JSON answer with ``connection: close`` (no ASGI app runs), count and log it;
         the caller closes the connection."""
         request_id = uuid.uuid4().hex
-        body = JSONResponse(error.to_body(request_id)).body
+        body = JsonResponse(error.to_body(request_id)).body  # the API layer's one JSON rendering
         self.transport.write(
             b"HTTP/1.1 %s\r\ncontent-type: application/json\r\n"
             b"content-length: %d\r\nx-request-id: %s\r\nconnection: close\r\n\r\n%s"
