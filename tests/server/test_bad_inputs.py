@@ -9,11 +9,11 @@ import struct
 
 import httpx
 import numpy as np
-import psutil
 import pytest
 from PIL import Image
 
 from tests.support import PHOTOS, encode, logged_lines, photo
+from tests.support.bounds import concurrent_posts_with_peak_rss_growth, process_tree
 from tests.support.decoding import png_bomb
 
 
@@ -23,11 +23,6 @@ def tiff_bomb() -> bytes:
                (273, 4, 1, 8), (278, 4, 1, 100_000), (279, 4, 1, 16)]
     ifd = struct.pack("<H", len(entries)) + b"".join(struct.pack("<HHII", *e) for e in entries) + b"\x00" * 4
     return b"II*\x00" + struct.pack("<I", 8 + 16) + b"\x00" * 16 + ifd
-
-
-def process_tree(pid: int) -> set[int]:
-    root = psutil.Process(pid)
-    return {root.pid, *(child.pid for child in root.children(recursive=True))}
 
 
 BAD_INPUTS = {
@@ -121,47 +116,6 @@ def mutated_bodies_for_pid_check() -> list[bytes]:
 #: concurrent 8K JPEG uploads. Measured ~260 MB on the 2-core CI machine; a naive full
 #: decode alone would need 32 × 7680 × 4320 × 3 B ≈ 3.2 GB.
 BURST_RSS_GROWTH_BOUND_MB = 600
-
-
-def concurrent_posts_with_peak_rss_growth(server, bodies: list[bytes]) -> tuple[list[httpx.Response], float]:
-    """POST ``bodies`` to ``/classify`` all at once; (the responses, the peak growth of the server tree's RSS in
-    MB over the requests, sampled every 10 ms)."""
-    import asyncio
-    import threading
-    import time
-
-    processes = [psutil.Process(pid) for pid in process_tree(server.process.pid)]
-
-    def tree_rss() -> int:
-        total = 0
-        for process in processes:
-            try:
-                total += process.memory_info().rss
-            except psutil.Error:
-                pass
-        return total
-
-    baseline = tree_rss()
-    peak, sampling = [baseline], threading.Event()
-
-    def sample() -> None:
-        while not sampling.is_set():
-            peak[0] = max(peak[0], tree_rss())
-            time.sleep(0.01)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-
-    async def burst():
-        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
-            return await asyncio.gather(*(client.post("/classify", content=body) for body in bodies))
-
-    try:
-        responses = asyncio.run(burst())
-    finally:
-        sampling.set()
-        sampler.join()
-    return responses, (peak[0] - baseline) / 1e6
 
 
 def test_32_concurrent_8k_uploads_stay_memory_bounded(server):

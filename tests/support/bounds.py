@@ -1,9 +1,15 @@
 """Request-bound cases the in-process and server tests share: the liveness budget and bomb ratio of the
-request bounds' contract, multipart bodies and part bombs, and the check of a JSON error answer."""
+request bounds' contract, multipart bodies and part bombs, the check of a JSON error answer, and the peak
+memory of a server tree under a burst."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 import httpx
+import psutil
 
 
 #: /livez must answer within this while part bombs are parsed (the request bounds' contract).
@@ -41,3 +47,47 @@ def json_error(response: httpx.Response, status: int, code: str) -> dict:
     body = response.json()["error"]
     assert body["code"] == code and body["message"] and body["request_id"], body
     return body
+
+
+def process_tree(pid: int) -> set[int]:
+    """The pids of process ``pid`` and all its descendants."""
+    root = psutil.Process(pid)
+    return {root.pid, *(child.pid for child in root.children(recursive=True))}
+
+
+def concurrent_posts_with_peak_rss_growth(server, bodies: list[bytes], path: str = "/classify",
+                                          headers: dict[str, str] | None = None) -> tuple[list[httpx.Response], float]:
+    """POST ``bodies`` (with ``headers``) to ``path`` all at once; (the responses, the peak growth of the server
+    tree's RSS in MB over the requests, sampled every 10 ms)."""
+    processes = [psutil.Process(pid) for pid in process_tree(server.process.pid)]
+
+    def tree_rss() -> int:
+        total = 0
+        for process in processes:
+            try:
+                total += process.memory_info().rss
+            except psutil.Error:
+                pass
+        return total
+
+    baseline = tree_rss()
+    peak, sampling = [baseline], threading.Event()
+
+    def sample() -> None:
+        while not sampling.is_set():
+            peak[0] = max(peak[0], tree_rss())
+            time.sleep(0.01)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+
+    async def burst():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return await asyncio.gather(*(client.post(path, content=body, headers=headers) for body in bodies))
+
+    try:
+        responses = asyncio.run(burst())
+    finally:
+        sampling.set()
+        sampler.join()
+    return responses, (peak[0] - baseline) / 1e6
