@@ -49,8 +49,9 @@ from starlette.requests import Request
 
 from rampart.api import oip
 from rampart.api.app import (answer_body_too_slow, attach, classify_batch_endpoint, classify_endpoint, create_app,
-                             refuse_before_admission, route_error_answered, state_of)
+                             refuse_before_admission, refuse_body_over_budget, route_error_answered, state_of)
 from rampart.api.arrival import bound_inflight
+from rampart.api.http import MULTIPART_OVERHEAD_BYTES
 from rampart.api.bentoml_api import (CLASSIFY_API_ROUTE, CLASSIFY_BATCH_API_ROUTE, CLASSIFY_BATCH_DOC, CLASSIFY_DOC,
                                     BatchAnswer, BatchUpload, ClassifyAnswer, ImageUpload, RefusePickleBodies, documented)
 from rampart.api.lifecycle import ENTRY_SERVICE_NAME, Lifecycle, all_entry_workers_ready, intercept_exit_signals
@@ -207,7 +208,10 @@ class Rampart:
         bound_inflight(self.pipeline.inflight_limit, refuse_before_admission(http_app), ADMITTED_ROUTES,
                        watch_hang_ups=settings.connections.cancel_on_hang_up, too_slow=answer_body_too_slow(http_app),
                        min_body_bytes_per_s=settings.connections.min_body_bytes_per_s,
-                       body_grace_s=settings.connections.body_grace_ms / 1000)
+                       body_grace_s=settings.connections.body_grace_ms / 1000,
+                       over_budget=refuse_body_over_budget(http_app),
+                       max_held_bytes=settings.inputs.max_held_body_bytes,
+                       small_body_bytes=settings.inputs.max_body_bytes + MULTIPART_OVERHEAD_BYTES)
         metrics.init_api_series()
         self.lifecycle = Lifecycle()
         self.shadow = None if not settings.shadow.model else ShadowMirror(

@@ -151,6 +151,14 @@ class InputSettings(_Group):
     crop_margin: float = Field(1.14, ge=1.0, le=2.0, description="resize so the crop covers the bucket × this, then "
                                "centre-crop (1.14 ≈ 1/0.875, the EfficientNet reference crop)")
     max_batch_images: int = Field(16, ge=1, description="images per `/classify_batch`")
+    # 512 MiB: two of the largest requests the caps allow (16 x 20 MB) do not fit at once, while a request
+    # alone always does. The worker's peak RSS from bodies is up to about twice this (the body, then the
+    # images cut from it); measured in docs/api.md, "Bodies held at once".
+    max_held_body_bytes: int = Field(512 << 20, gt=0, description="bytes the request bodies of one API worker may "
+                                     "hold at once: received, and inflated under `/v2`; a request whose bytes would "
+                                     "pass it gets 429 `overloaded` (unless it is the only one holding any), and "
+                                     "one larger than a single `/classify` upload may fill only three quarters "
+                                     "of it, leaving the rest to single uploads ([api.md](api.md#bodies-held-at-once))")
 
 
 class ConnectionSettings(_Group):

@@ -70,6 +70,7 @@ __all__ = [
     "classify_batch",
     "stats",
     "refuse_before_admission",
+    "refuse_body_over_budget",
     "route_error_answered",
     "finished",
     "failed",
@@ -379,21 +380,30 @@ def finished(request: Request, request_id: str, priority: str, started: float, s
                 result, **extra)
 
 
+async def _answer_at_the_front(scope: dict, receive, send, error: RampartError, close: bool) -> None:
+    """Answer ``error`` to the request with ASGI ``scope`` before any middleware: counted and logged as every answer,
+    in the protocol's error form under ``/v2``; with ``close`` the connection closes after it (the rest of the body
+    is not read)."""
+    request = Request(scope, receive)
+    request_id = http.request_id_of(request)
+    response = failed(request, request_id, False, time.perf_counter(), error)
+    if oip.is_oip_path(scope["path"]):
+        response = oip.error_response(error, request_id)
+    if close:
+        response.headers["connection"] = "close"
+    await response(scope, receive, send)
+
+
 def refuse_before_admission(app: Starlette) -> ASGIApp:
     """The ASGI app answering 429 ``overloaded`` to a request over the in-flight bound (``rampart.api.arrival``),
     before any middleware, with ``app``'s pipeline's ``Retry-After``."""
     state = state_of(app)
 
     async def refuse(scope, receive, send) -> None:
-        request = Request(scope, receive)
         error = Overloaded("too many requests in flight; retry later", state.pipeline.retry_after_s())
         if state.shadow is not None:
             state.shadow.note_overload()  # mirrors pause while real traffic is shed
-        request_id = http.request_id_of(request)
-        response = failed(request, request_id, False, time.perf_counter(), error)
-        if oip.is_oip_path(scope["path"]):  # the protocol's error form under /v2
-            response = oip.error_response(error, request_id)
-        await response(scope, receive, send)
+        await _answer_at_the_front(scope, receive, send, error, close=False)
 
     return refuse
 
@@ -405,15 +415,22 @@ def answer_body_too_slow(app: Starlette) -> ASGIApp:
     state = state_of(app)
 
     async def too_slow(scope, receive, send) -> None:
-        request = Request(scope, receive)
         settings = state.settings
         error = BodyTimeout(f"the body arrived slower than {settings.connections.min_body_bytes_per_s} bytes/s "
                             f"after the first {settings.connections.body_grace_ms} ms")
-        request_id = http.request_id_of(request)
-        response = failed(request, request_id, False, time.perf_counter(), error)
-        if oip.is_oip_path(scope["path"]):
-            response = oip.error_response(error, request_id)
-        response.headers["connection"] = "close"  # the rest of a slow body is not read
-        await response(scope, receive, send)
+        await _answer_at_the_front(scope, receive, send, error, close=True)
 
     return too_slow
+
+
+def refuse_body_over_budget(app: Starlette) -> ASGIApp:
+    """The ASGI app answering 429 ``overloaded`` (and closing the connection) to a request whose next body chunk
+    would take the bytes this worker's bodies hold past ``MAX_HELD_BODY_BYTES`` (``rampart.api.arrival``,
+    ``InflightBound``), with ``app``'s pipeline's ``Retry-After``."""
+    state = state_of(app)
+
+    async def over_budget(scope, receive, send) -> None:
+        error = http.bodies_over_budget(state.settings, state.pipeline.retry_after_s())
+        await _answer_at_the_front(scope, receive, send, error, close=True)
+
+    return over_budget

@@ -49,10 +49,16 @@ from typing import Awaitable, Callable, Collection
 from rampart.hangup import serve_until_hang_up
 
 __all__ = ["ARRIVAL_KEY", "FUTURE_SKEW_MS", "Arrival", "arrival_of", "parse_request_start", "bound_inflight",
-           "behind_bound", "InflightBound"]
+           "behind_bound", "InflightBound", "HOLD_BODY_BYTES_KEY", "hold_body_bytes", "LARGE_BODY_SHARE"]
 
 #: ASGI scope key holding the ``time.monotonic()`` of the request's first byte.
 ARRIVAL_KEY = "rampart.first_byte_monotonic"
+#: ASGI scope key holding the request's ``hold(size) -> bool`` on the worker's budget of body bytes
+#: (``InflightBound``; read through ``hold_body_bytes``).
+HOLD_BODY_BYTES_KEY = "rampart.hold_body_bytes"
+#: The share of the budget of body bytes (``max_held_body_bytes``) that requests holding more than one
+#: upload's worth (``small_body_bytes``) may fill together; the rest stays for single uploads.
+LARGE_BODY_SHARE = 0.75
 #: An ``X-Request-Start`` stamp up to this far in the future is taken as "now" (clock skew between hosts).
 FUTURE_SKEW_MS = 1000.0
 _STAMP = re.compile(r"^\s*(?:t=)?\s*(\d{1,20}(?:\.\d{1,9})?)\s*$")
@@ -122,10 +128,13 @@ class _BodyStop(BaseException):
 @dataclass
 class _Body:
     """One request's body phase at the front: ``due`` (event loop time by which more of the body must have
-    come), ``received`` bytes so far, and whether it still ``receiving`` or is ``admitted`` (in flight)."""
+    come), ``received`` bytes so far, ``held`` bytes it counts against the worker's budget (received, and
+    whatever its handler holds through ``hold_body_bytes``), and whether it still ``receiving`` or is
+    ``admitted`` (in flight)."""
 
     due: float
     received: int = 0
+    held: int = 0
     receiving: bool = True
     admitted: bool = False
 
@@ -144,12 +153,24 @@ class InflightBound:
     ``refused`` counts refusals (at the head or when the body completed), ``cut`` the slow bodies cut.
     With ``watch_hang_ups`` each request runs under ``rampart.hangup.serve_until_hang_up``: when its
     client goes, it stops and its places are given back at once.
+
+    **Bytes held.** With ``over_budget`` and ``max_held_bytes`` > 0, the bytes the requests to ``paths`` hold
+    at once are bounded: each body chunk as it arrives, and what a handler adds through
+    ``hold_body_bytes(scope, size)`` (an inflated ``/v2`` body), count against ``max_held_bytes`` until
+    the request ends (``held`` now; ``over_budget_refused`` counts refusals). A chunk that does not fit
+    gets ``over_budget(scope, receive, send)`` (Rampart: 429 ``overloaded``, connection closed); a handler's
+    ``hold`` that does not fit returns False. A request that holds more than ``small_body_bytes`` may
+    fill only ``LARGE_BODY_SHARE`` of the budget, so large bodies leave room for single uploads, except the
+    oldest request holding bytes (of large bodies growing together, the first completes while the later are
+    refused), and a request may always hold what its own caps allow while no other request holds any byte.
     """
 
     def __init__(self, limit: Callable[[], int], refuse: Callable[[dict, Callable, Callable], Awaitable[None]],
                  paths: Collection[str], watch_hang_ups: bool = True,
                  too_slow: Callable[[dict, Callable, Callable], Awaitable[None]] | None = None,
-                 min_body_bytes_per_s: float = 0.0, body_grace_s: float = 0.0) -> None:
+                 min_body_bytes_per_s: float = 0.0, body_grace_s: float = 0.0,
+                 over_budget: Callable[[dict, Callable, Callable], Awaitable[None]] | None = None,
+                 max_held_bytes: int = 0, small_body_bytes: int = 0) -> None:
         self.limit = limit
         self.refuse = refuse
         self.paths = frozenset(paths)
@@ -157,11 +178,37 @@ class InflightBound:
         self.too_slow = too_slow
         self.min_body_bytes_per_s = min_body_bytes_per_s if too_slow is not None else 0.0
         self.body_grace_s = body_grace_s
+        self.over_budget = over_budget
+        self.max_held_bytes = max_held_bytes if over_budget is not None else 0
+        self.small_body_bytes = small_body_bytes
         self.inflight = 0
         self.receiving = 0
         self.refused = 0
         self.cut = 0
+        self.held = 0
+        self.over_budget_refused = 0
+        self._holders: dict[int, _Body] = {}  # the requests holding bytes, oldest first
         self._wrapped: dict[int, Callable] = {}
+
+    def hold(self, body: _Body, size: int) -> bool:
+        """Count ``size`` more bytes of ``body`` against the budget; False (nothing counted) when they do not fit:
+        past ``max_held_bytes``, or past ``LARGE_BODY_SHARE`` of it once ``body`` holds more than
+        ``small_body_bytes``, unless ``body`` is the oldest of the requests holding bytes (so that of several
+        large bodies growing at once, one completes). A body that alone holds bytes always fits (its own caps
+        bound it)."""
+        if size and self.max_held_bytes and self.held > body.held:
+            room = self.max_held_bytes
+            oldest = next(iter(self._holders.values()))
+            if body is not oldest and body.held + size > self.small_body_bytes:
+                room = int(room * LARGE_BODY_SHARE)
+            if self.held + size > room:
+                self.over_budget_refused += 1
+                return False
+        if size and not body.held:
+            self._holders[id(body)] = body
+        body.held += size
+        self.held += size
+        return True
 
     def wrap(self, app: Callable) -> Callable:
         """``app`` (an ASGI app) behind this bound; one wrapper per app."""
@@ -179,6 +226,7 @@ class InflightBound:
                     return await self.refuse(scope, receive, send)
                 started = asyncio.get_running_loop().time()
                 body = _Body(started + self.body_grace_s)
+                scope[HOLD_BODY_BYTES_KEY] = lambda size: self.hold(body, size)
                 if has_body:
                     self.receiving += 1
                 else:  # nothing to wait for: in flight from its head
@@ -201,7 +249,12 @@ class InflightBound:
                         raise _BodyStop from None
                     if message.get("type") != "http.request":
                         return message  # a disconnect: the handler's own body read reports it
-                    body.received += len(message.get("body", b""))
+                    size = len(message.get("body", b""))
+                    if not self.hold(body, size):
+                        self._stop_receiving(body)
+                        await self.over_budget(scope, receive, send)
+                        raise _BodyStop
+                    body.received += size
                     if self.min_body_bytes_per_s > 0:  # due when (t - grace) x rate passes what came
                         body.due = started + self.body_grace_s + body.received / self.min_body_bytes_per_s
                     if not message.get("more_body", False):
@@ -223,6 +276,8 @@ class InflightBound:
                     pass
                 finally:
                     self._stop_receiving(body)
+                    self.held -= body.held
+                    self._holders.pop(id(body), None)
                     if body.admitted:
                         self.inflight -= 1
 
@@ -234,6 +289,13 @@ class InflightBound:
         if body.receiving:
             body.receiving = False
             self.receiving -= 1
+
+
+def hold_body_bytes(scope: dict, size: int) -> bool:
+    """Count ``size`` more bytes against the budget of body bytes of the request with ASGI ``scope`` until it ends
+    (``InflightBound``, "Bytes held"); False when they do not fit. True where no bound stands in front."""
+    hold = scope.get(HOLD_BODY_BYTES_KEY)
+    return True if hold is None else hold(size)
 
 
 def _count_client_gone(stage: str) -> None:
@@ -266,13 +328,11 @@ _bound: InflightBound | None = None
 
 
 def bound_inflight(limit: Callable[[], int], refuse: Callable[[dict, Callable, Callable], Awaitable[None]],
-                   paths: Collection[str], watch_hang_ups: bool = True,
-                   too_slow: Callable[[dict, Callable, Callable], Awaitable[None]] | None = None,
-                   min_body_bytes_per_s: float = 0.0, body_grace_s: float = 0.0) -> InflightBound:
+                   paths: Collection[str], **options) -> InflightBound:
     """Install (or replace) the in-flight bound that ``behind_bound`` puts in front of the app; returns it.
     The arguments are ``InflightBound``'s."""
     global _bound
-    _bound = InflightBound(limit, refuse, paths, watch_hang_ups, too_slow, min_body_bytes_per_s, body_grace_s)
+    _bound = InflightBound(limit, refuse, paths, **options)
     return _bound
 
 

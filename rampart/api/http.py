@@ -352,6 +352,13 @@ class MultipartParts:
         self.data, self.text_name = None, None
 
 
+def bodies_over_budget(settings: Settings, retry_after_s: float) -> Overloaded:
+    """The 429 for a request whose body bytes do not fit in ``MAX_HELD_BODY_BYTES`` beside the other requests'
+    (``rampart.api.arrival.InflightBound``, "Bytes held")."""
+    return Overloaded(f"the request bodies this worker holds would pass {settings.inputs.max_held_body_bytes} bytes "
+                      "(MAX_HELD_BODY_BYTES); retry later", retry_after_s)
+
+
 def error_response(error: RampartError, request_id: str) -> JsonResponse:
     """The JSON error response for ``error``, with ``Retry-After`` on 429 and 503 and ``Allow`` on 405."""
     headers = {"X-Request-Id": request_id}

@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import functools
 import io
 import itertools
 import json
@@ -76,6 +77,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from rampart.api import http
+from rampart.api.arrival import hold_body_bytes
 from rampart.api.http import JsonResponse
 from rampart.config import Settings
 from rampart.overload.deadline import Deadline, run_within
@@ -139,7 +141,12 @@ EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 MAX_JSON_VALUES = 1 << 20
 #: Shape rank (``PIXELS`` is 4-D), each dimension (Triton's int64 dims) and ``id`` length.
 MAX_RANK, MAX_DIMENSION, MAX_ID_CHARS = 4, 2**63 - 1, 256
-#: Decompressed bytes produced between yields to the event loop (about 1 ms of inflate each).
+#: Bytes the JSON part of a request may hold: 64 MiB, Triton's default ``--http-max-input-size``
+#: (``HTTP_DEFAULT_MAX_INPUT_SIZE``). ``json.loads`` holds the GIL for the whole parse, so this bounds
+#: how long one parse can stall the event loop: 0.13-0.17 s for 64 MiB of whitespace or of one base64
+#: string on the 2-core host (docs/api.md, "Bodies held at once").
+MAX_JSON_BYTES = 64 << 20
+#: Decompressed bytes produced by one inflate step in a worker thread (zlib releases the GIL while it inflates).
 INFLATE_SLICE_BYTES = 1 << 20
 #: ``Content-Encoding`` values accepted on ``/infer`` and their zlib ``wbits`` (None: not compressed).
 #: ``deflate`` is the zlib format (RFC 9110 §8.4.1.2), which is what tritonclient sends.
@@ -225,13 +232,16 @@ class Limits:
     ``max_images``: images per request (``max_batch_images``); ``max_image_bytes``: bytes
     per encoded image (``max_body_bytes``); ``max_pixels``: H × W per ``PIXELS`` image
     (``max_pixels``); ``max_json_values``: values the JSON part may hold
-    (``MAX_JSON_VALUES``), so that its parse time and memory are bounded by a count.
+    (``MAX_JSON_VALUES``), so that its parse time and memory are bounded by a count;
+    ``max_json_bytes``: bytes the JSON part may hold (``MAX_JSON_BYTES``), which bounds its parse time
+    however few values it has.
     """
 
     max_images: int
     max_image_bytes: int
     max_pixels: int
     max_json_values: int = MAX_JSON_VALUES
+    max_json_bytes: int = MAX_JSON_BYTES
 
     @classmethod
     def of(cls, settings: Settings) -> "Limits":
@@ -375,7 +385,7 @@ def _pixel_images(tensor: dict, blob: memoryview | None, limits: Limits) -> list
     return _pixels_as_bmp(pixels.reshape(shape))
 
 
-def _header_split(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
+def _header_split(body: bytes | bytearray, header_length: str | None) -> tuple[bytes | bytearray, memoryview]:
     """(JSON part, binary part) of a body, ``header_length`` being ``Inference-Header-Content-Length``."""
     if header_length is None:
         return body, memoryview(b"")
@@ -385,7 +395,7 @@ def _header_split(body: bytes, header_length: str | None) -> tuple[bytes, memory
     return body[:split], memoryview(body)[split:]
 
 
-def parse_infer_request(body: bytes, header_length: str | None, limits: Limits) -> InferRequest:
+def parse_infer_request(body: bytes | bytearray, header_length: str | None, limits: Limits) -> InferRequest:
     """Parse an ``/infer`` body: JSON, or JSON of ``header_length`` bytes followed by binary tensor data.
 
     Total: any body and header value gives an ``InferRequest`` or one of these (never
@@ -393,12 +403,16 @@ def parse_infer_request(body: bytes, header_length: str | None, limits: Limits) 
     request with exactly one of ``IMAGE`` / ``PIXELS`` (including NaN/Infinity and
     numbers out of any field's range), or more images than ``limits.max_images``;
     ``EmptyBody`` (400) for zero images; ``PayloadTooLarge`` (413) for an image over
-    ``limits.max_image_bytes`` or a JSON part of more than ``limits.max_json_values`` values
-    (checked by counting commas, before the JSON is parsed); ``ImageTooLarge`` (413) for
+    ``limits.max_image_bytes``, a JSON part of more than ``limits.max_json_bytes`` bytes or of more
+    than ``limits.max_json_values`` values (checked by counting commas, before the JSON is parsed);
+    ``ImageTooLarge`` (413) for
     ``PIXELS`` images over ``limits.max_pixels``. Counts and declared sizes are checked
     before any tensor is split or converted.
     """
     header_bytes, binary = _header_split(body, header_length)
+    if len(header_bytes) > limits.max_json_bytes:
+        raise PayloadTooLarge(f"the JSON part of the request is over {limits.max_json_bytes} bytes: send images in "
+                              "the binary tensor data extension")
     if _json_values_bound(header_bytes) > limits.max_json_values:
         raise PayloadTooLarge(f"the JSON part of the request holds over {limits.max_json_values} values: send tensors "
                               "this large in the binary tensor data extension")
@@ -748,11 +762,15 @@ def _decompressor(encoding: str | None) -> Any:
     return None if wbits is None else zlib.decompressobj(wbits)
 
 
-async def _inflated(chunks: AsyncIterator[bytes], decompressor: Any, limit: int) -> bytes:
+async def _inflated(chunks: AsyncIterator[bytes], decompressor: Any, limit: int,
+                    hold: Callable[[int], bool] = lambda size: True) -> bytearray:
     """The decompressed body of compressed ``chunks``: ``PayloadTooLarge`` as soon as it passes ``limit``
     bytes (a bomb stops there), ``InvalidParameter`` for data that is not valid or ends early.
 
-    Inflated ``INFLATE_SLICE_BYTES`` at a time, yielding to the event loop between slices.
+    Inflated ``INFLATE_SLICE_BYTES`` at a time in a worker thread, so the event loop runs on while zlib
+    works; each slice is counted with ``hold(size)`` first (the worker's budget of body bytes,
+    ``rampart.api.arrival.hold_body_bytes``), and ``hold`` returning False raises ``BodiesOverBudget``.
+    Returned as the ``bytearray`` it was inflated into (no copy).
     """
     body = bytearray()
     try:
@@ -763,36 +781,51 @@ async def _inflated(chunks: AsyncIterator[bytes], decompressor: Any, limit: int)
                     if data or decompressor.unused_data:
                         raise InvalidParameter("the compressed body has data after its end")
                     break
-                piece = decompressor.decompress(data, INFLATE_SLICE_BYTES)
-                body += piece
-                if len(body) > limit:
+                piece = await asyncio.to_thread(decompressor.decompress, data, INFLATE_SLICE_BYTES)
+                if len(body) + len(piece) > limit:
                     raise PayloadTooLarge(f"the decompressed body is over the limit of {limit} bytes")
+                if not hold(len(piece)):
+                    raise BodiesOverBudget
+                body += piece
                 data = decompressor.unconsumed_tail
                 if not data and len(piece) < INFLATE_SLICE_BYTES:
                     break
-                await asyncio.sleep(0)
     except zlib.error as exc:
         raise InvalidParameter(f"the body is not valid per its Content-Encoding: {exc}") from None
     if not decompressor.eof:
         raise InvalidParameter("the compressed body ends before its end of stream")
-    return bytes(body)
+    return body
 
 
-async def read_infer_body(request: Request, limit: int, deadline: Deadline) -> bytes:
+class BodiesOverBudget(Exception):
+    """An inflated body's next slice does not fit in the worker's budget of body bytes (``MAX_HELD_BODY_BYTES``)."""
+
+
+async def read_infer_body(request: Request, limit: int, deadline: Deadline, settings: Settings,
+                          retry_after_s: Callable[[], float]) -> bytes | bytearray:
     """The body of an ``/infer`` request, decompressed per ``Content-Encoding`` (gzip, deflate or none),
     read within ``deadline``.
 
-    Both the compressed and the decompressed body are held to ``limit`` bytes
-    (``PayloadTooLarge``); ``UnsupportedFormat`` (415) for another encoding; else the
-    errors of ``rampart.api.http.read_body``.
+    Both the compressed and the decompressed body are held to ``limit`` bytes, and to ``MAX_JSON_BYTES``
+    when the request has no binary tensor data (no ``Inference-Header-Content-Length``): all of it is
+    JSON (``PayloadTooLarge``). The inflated bytes count against the worker's budget of body bytes
+    (``rampart.api.arrival.hold_body_bytes``): 429 ``overloaded`` with ``retry_after_s()`` when they do
+    not fit. ``UnsupportedFormat`` (415) for another encoding; else the errors of
+    ``rampart.api.http.read_body``.
     """
     decompressor = _decompressor(request.headers.get("content-encoding"))
+    if request.headers.get(HEADER_LENGTH) is None:
+        limit = min(limit, MAX_JSON_BYTES)
     if decompressor is None:
         return await http.read_body(request, limit, deadline)
-    return await http.within_deadline(_inflated(http.body_chunks(request, limit), decompressor, limit), deadline)
+    try:
+        return await http.within_deadline(_inflated(http.body_chunks(request, limit), decompressor, limit,
+                                                    functools.partial(hold_body_bytes, request.scope)), deadline)
+    except BodiesOverBudget:
+        raise http.bodies_over_budget(settings, retry_after_s()) from None
 
 
-async def _parse_within(body: bytes, header_length: str | None, limits: Limits, deadline: Deadline) -> InferRequest:
+async def _parse_within(body: bytes | bytearray, header_length: str | None, limits: Limits, deadline: Deadline) -> InferRequest:
     """``parse_infer_request`` in a worker thread; ``BodyTimeout`` (408) if it is not done by the deadline."""
     try:
         return await run_within(asyncio.to_thread(parse_infer_request, body, header_length, limits),
@@ -894,7 +927,7 @@ def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -
             pipeline = backend.pipeline
             pipeline.check_capacity(deadline, priority)  # sheds (429) before the body is read
             limit = settings.inputs.max_batch_images * (settings.inputs.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
-            body = await read_infer_body(request, limit, deadline)  # /classify_batch's cap
+            body = await read_infer_body(request, limit, deadline, settings, pipeline.retry_after_s)  # /classify_batch's cap
             parsed = await _parse_within(body, request.headers.get(HEADER_LENGTH), limits, deadline)
             del body  # the images hold what is needed of it
             top_k, priority, deadline = request_options(request, parsed.parameters, settings, lag_ms, deadline)

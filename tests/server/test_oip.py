@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import subprocess
+import zlib
 
 import bentoml
 import numpy as np
@@ -13,8 +15,10 @@ import tritonclient.http as triton
 from tritonclient.utils import InferenceServerException
 
 from rampart.api import oip
+from rampart.config import Settings
 from rampart.errors import ERROR_CLASSES
 from tests.support import PHOTOS, ROOT, encode, photo
+from tests.support.bounds import concurrent_posts_with_peak_rss_growth
 from tests.support.oip import DEADLINE_MS, HOSTILE, image_input, texts
 
 
@@ -178,6 +182,36 @@ def test_tritonclient_request_compression_is_accepted(client, http, algorithm):
         assert set(result.as_numpy(oip.CLASS_INDICES)[row, :3].tolist()) & PHOTOS[name]
     refused = http.post("/v2/models/rampart/infer", content=b"{}", headers={"Content-Encoding": "br"})
     assert refused.status_code == 415 and refused.json()["error"].startswith("unsupported_format: ")
+
+
+@functools.cache
+def inflating_binary_body(size_mib: int) -> tuple[bytes, str]:
+    """A gzip ``/infer`` body of the binary extension whose binary part inflates to ``size_mib`` MiB of spaces
+    (about 1,000:1), and its ``Inference-Header-Content-Length``."""
+    header = json.dumps({"inputs": [{"name": oip.IMAGE, "datatype": "BYTES", "shape": [1, 1],
+                                     "parameters": {"binary_data_size": size_mib << 20}}]}).encode()
+    compressor, spaces = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS), b" " * (1 << 20)
+    return b"".join([compressor.compress(header), *(compressor.compress(spaces) for _ in range(size_mib)),
+                     compressor.flush()]), str(len(header))
+
+
+def test_compressed_bodies_inflating_together_stay_within_the_worker_budget_of_body_bytes(server, http):
+    """Four concurrent gzip bodies of about 300 KiB, each inflating to 300 MiB (under the request cap): of bodies
+    growing together the oldest completes (a 4xx for its content), the others get 429 once the worker's bodies
+    would pass the budget, and the server tree grows by about the budget, not by four bodies and their copies
+    (1.8 GB of one API worker before the budget)."""
+    budget_mib = Settings().inputs.max_held_body_bytes / 2**20
+    body, header_length = inflating_binary_body(300)
+    headers = {"Content-Encoding": "gzip", oip.HEADER_LENGTH: header_length,
+               "Content-Type": "application/octet-stream", "X-Deadline-Ms": "10000"}
+    responses, growth_mb = concurrent_posts_with_peak_rss_growth(server, [body] * 4, "/v2/models/rampart/infer",
+                                                                 headers)
+    statuses = [response.status_code for response in responses]
+    completed = [status for status in statuses if status != 429]
+    assert statuses.count(429) == 3 and len(completed) == 1 and 400 <= completed[0] < 500, [r.text for r in responses]
+    assert all("MAX_HELD_BODY_BYTES" in r.json()["error"] for r in responses if r.status_code == 429)
+    assert growth_mb * 1e6 / 2**20 < 1.25 * budget_mib, f"RSS grew by {growth_mb:.0f} MB"
+    assert http.post("/classify", content=encode(photo("chelsea"))).status_code == 200
 
 
 #: A handful of the hostile bodies of the unit tests, sent to a real server.

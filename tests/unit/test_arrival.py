@@ -1,4 +1,5 @@
-"""``rampart.api.arrival.InflightBound``'s body phase: slow bodies hold no in-flight place and are cut.
+"""``rampart.api.arrival.InflightBound``'s body phase: slow bodies hold no in-flight place and are cut, and the
+bytes bodies hold at once stay within the worker's budget.
 
 Driven at the ASGI level with the messages uvicorn sends (body chunks, ``more_body``), the bound's own
 wrapper in front of a small app that reads its body and then waits to be released.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rampart.api.arrival import RECEIVING_PER_INFLIGHT_PLACE, InflightBound
+from rampart.api.arrival import RECEIVING_PER_INFLIGHT_PLACE, InflightBound, hold_body_bytes
 
 
 def answer(status: int):
@@ -125,3 +126,92 @@ def test_receivers_are_bounded_apart_and_a_request_without_a_body_is_in_flight_f
     bound, one_more, bodiless, in_flight = asyncio.run(scenario())
     assert one_more.status == 429 and bodiless.status == 200 and in_flight == 1
     assert bound.receiving == 0 and bound.inflight == 0
+
+
+# --- the budget of body bytes held at once ---
+
+#: The status the stand-in front answers a body over the budget with (Rampart's is 429 ``overloaded``).
+OVER_BUDGET = 430
+
+
+def budget_bound(max_held: int, small: int):
+    """``bound_with`` of a generous in-flight limit and a budget of ``max_held`` bytes (``small``: one upload's worth)."""
+    bound, release, bodies, app = bound_with(limit=16)
+    bound.over_budget, bound.max_held_bytes, bound.small_body_bytes = answer(OVER_BUDGET), max_held, small
+    return bound, release, bodies, app
+
+
+async def peak_held(bound: InflightBound, peak: list[int]) -> None:
+    while True:
+        peak[0] = max(peak[0], bound.held)
+        await asyncio.sleep(0.001)
+
+
+def test_of_large_bodies_growing_together_the_oldest_completes_and_the_others_are_refused_within_the_budget():
+    async def scenario():
+        bound, release, bodies, app = budget_bound(max_held=1000, small=100)
+        clients = [Client([bytes([65 + n]) * 50] * 10, every_s=0.01) for n in range(3)]  # 500 bytes each
+        peak = [0]
+        watcher = asyncio.ensure_future(peak_held(bound, peak))
+        tasks = []
+        for client in clients:
+            tasks.append(asyncio.ensure_future(app(scope(500), client.receive, client.send)))
+            await asyncio.sleep(0.002)  # the first is the oldest
+        await asyncio.sleep(0.3)
+        release.set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 2.0)
+        watcher.cancel()
+        return bound, clients, bodies, peak[0]
+
+    bound, clients, bodies, peak = asyncio.run(scenario())
+    assert [client.status for client in clients] == [200, OVER_BUDGET, OVER_BUDGET]
+    assert bodies == [b"A" * 500] and bound.over_budget_refused == 2
+    assert peak <= 1000 and bound.held == 0 and bound.receiving == 0 and bound.inflight == 0
+
+
+def test_large_bodies_leave_a_quarter_of_the_budget_to_single_uploads():
+    async def scenario():
+        bound, release, bodies, app = budget_bound(max_held=1000, small=100)
+        oldest = Client([b"o" * 700])  # large, the oldest: it may fill the whole budget
+        first = asyncio.ensure_future(app(scope(700), oldest.receive, oldest.send))
+        await asyncio.sleep(0.01)
+        large = Client([b"l" * 60, b"l" * 60])  # past one upload's worth at 820 of 1000: over the large share (750)
+        single = Client([b"s" * 90])  # one upload's worth: fits in the rest
+        others = [asyncio.ensure_future(app(scope(120), large.receive, large.send)),
+                  asyncio.ensure_future(app(scope(90), single.receive, single.send))]
+        await asyncio.sleep(0.05)
+        release.set()
+        await asyncio.wait_for(asyncio.gather(first, *others), 2.0)
+        return bound, oldest, large, single, bodies
+
+    bound, oldest, large, single, bodies = asyncio.run(scenario())
+    assert (oldest.status, large.status, single.status) == (200, OVER_BUDGET, 200)
+    assert sorted(bodies) == [b"o" * 700, b"s" * 90] and bound.held == 0
+
+
+def test_a_handler_holds_bytes_through_the_scope_and_is_told_when_they_do_not_fit():
+    async def scenario():
+        bound, release, bodies, app = budget_bound(max_held=1000, small=2000)
+        answers: list[bool] = []
+
+        async def inflating(scope_, receive, send):
+            answers.append(hold_body_bytes(scope_, 600))  # fits: nothing else is held
+            await release.wait()
+            await answer(200)(scope_, receive, send)
+
+        async def second(scope_, receive, send):
+            answers.append(hold_body_bytes(scope_, 600))  # 1200 of 1000 beside the first's 600
+            await answer(200)(scope_, receive, send)
+
+        first_client, second_client = Client([b""]), Client([b""])
+        first = asyncio.ensure_future(bound.wrap(inflating)(scope(None), first_client.receive, first_client.send))
+        await asyncio.sleep(0.01)
+        held_while_first_runs = bound.held
+        await bound.wrap(second)(scope(None), second_client.receive, second_client.send)
+        release.set()
+        await asyncio.wait_for(first, 2.0)
+        return bound, answers, held_while_first_runs
+
+    bound, answers, held_while_first_runs = asyncio.run(scenario())
+    assert answers == [True, False] and held_while_first_runs == 600 and bound.held == 0
+    assert hold_body_bytes({"type": "http"}, 10**12)  # no bound in front: nothing to count against

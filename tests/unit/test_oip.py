@@ -346,6 +346,44 @@ def test_inflating_stops_reading_a_bomb_once_past_the_cap():
     assert len(consumed) < len(pieces) / 8  # about 4 MiB of 64 inflated
 
 
+def test_a_json_body_stops_inflating_at_the_json_byte_cap(rig):
+    """A body without binary data is all JSON: however large the request cap, it is held to ``MAX_JSON_BYTES``."""
+    bomb = zeros_bomb(oip.MAX_JSON_BYTES + (16 << 20))
+    response = rig.client.post("/v2/models/rampart/infer", content=bomb, headers={"Content-Encoding": "gzip"})
+    assert response.status_code == 413, response.text
+    assert response.json()["error"].startswith(f"payload_too_large: the decompressed body is over the limit of "
+                                               f"{oip.MAX_JSON_BYTES} bytes")
+
+
+def test_a_json_part_over_its_byte_cap_is_refused_before_it_is_parsed():
+    body, header_length = request_body([image_input([CAT], True)])
+    small = dataclasses.replace(LIMITS, max_json_bytes=int(header_length) - 1)
+    with pytest.raises(PayloadTooLarge, match="the JSON part of the request is over"):
+        oip.parse_infer_request(body, header_length, small)
+    whitespace = b" " * 100 + b'{"inputs": []}'  # few values, many bytes
+    with pytest.raises(PayloadTooLarge):
+        oip.parse_infer_request(whitespace, None, dataclasses.replace(LIMITS, max_json_bytes=100))
+    assert oip.parse_infer_request(body, header_length, LIMITS).images == [CAT]
+
+
+def test_inflating_counts_each_slice_against_the_budget_and_stops_when_one_does_not_fit():
+    bomb = zeros_bomb(64 << 20)
+    held: list[int] = []
+
+    def hold(size: int) -> bool:
+        if sum(held) + size > 8 * oip.INFLATE_SLICE_BYTES:
+            return False
+        held.append(size)
+        return True
+
+    async def chunks():
+        yield bomb
+
+    with pytest.raises(oip.BodiesOverBudget):
+        asyncio.run(oip._inflated(chunks(), zlib.decompressobj(16 + zlib.MAX_WBITS), 1 << 30, hold))
+    assert sum(held) == 8 * oip.INFLATE_SLICE_BYTES
+
+
 @pytest.mark.parametrize("method, path, status", [
     ("GET", "/v2/models/rampart/infer", 405), ("DELETE", "/v2", 405), ("GET", "/v2/nothing/here", 404),
     ("POST", "/v2/repository/models/rampart/load", 404), ("GET", "/v2/models/other/stats", 404),
