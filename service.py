@@ -145,8 +145,7 @@ http_app = create_app(settings)
 
 
 #: Routes whose requests go through admission (``rampart.api.arrival.bound_inflight``, tracing off by default).
-ADMITTED_ROUTES = ("/classify", "/classify_batch", f"/v2/models/{oip.MODEL_NAME}/infer", CLASSIFY_API_ROUTE,
-                   CLASSIFY_BATCH_API_ROUTE)
+ADMITTED_ROUTES = ("/classify", "/classify_batch", *oip.INFER_PATHS, CLASSIFY_API_ROUTE, CLASSIFY_BATCH_API_ROUTE)
 #: Monitoring routes, never traced unless ``trace_requests``: a scrape's span cost about 220 µs of event-loop CPU,
 #: two thirds of the whole middleware stack's 330 µs (``bench.middleware_bench`` stack around a GET, 2026-12-01), and
 #: was thrown away as every span is without an exporter; a storm of scrapes paid it per scrape.

@@ -123,6 +123,9 @@ logger = logging.getLogger("rampart.api.oip")
 #: Triton's versions are integers, and perf_analyzer reads them as such; the BentoML models behind it
 #: (name:version) are in the configuration's ``parameters`` (``model_config``).
 MODEL_NAME, MODEL_VERSION = "rampart", "1"
+#: The paths an inference request to the served model takes (without and with its version): both go through
+#: the in-flight bound and the budget of body bytes (``service.ADMITTED_ROUTES``).
+INFER_PATHS = (f"/v2/models/{MODEL_NAME}/infer", f"/v2/models/{MODEL_NAME}/versions/{MODEL_VERSION}/infer")
 IMAGE, PIXELS = "IMAGE", "PIXELS"
 LABELS, SCORES, CLASS_INDICES = "LABELS", "SCORES", "CLASS_INDICES"
 DEGRADED_REASON, MODEL, ROUTE, NEEDS_REVIEW = "DEGRADED_REASON", "MODEL", "ROUTE", "NEEDS_REVIEW"
@@ -385,13 +388,18 @@ def _pixel_images(tensor: dict, blob: memoryview | None, limits: Limits) -> list
     return _pixels_as_bmp(pixels.reshape(shape))
 
 
-def _header_split(body: bytes | bytearray, header_length: str | None) -> tuple[bytes | bytearray, memoryview]:
-    """(JSON part, binary part) of a body, ``header_length`` being ``Inference-Header-Content-Length``."""
+def _header_split(body: bytes | bytearray, header_length: str | None,
+                  max_json_bytes: int) -> tuple[bytes | bytearray, memoryview]:
+    """(JSON part, binary part) of a body, ``header_length`` being ``Inference-Header-Content-Length``;
+    ``PayloadTooLarge`` for a JSON part over ``max_json_bytes``, before it is sliced out."""
     if header_length is None:
         return body, memoryview(b"")
     split = http.ascii_decimal(header_length)
     if split is None or split > len(body):
         raise InvalidParameter(f"{HEADER_LENGTH} must be a byte count within the body, got {header_length[:32]!r}")
+    if split > max_json_bytes:  # before the JSON part is sliced (copied) out of the body
+        raise PayloadTooLarge(f"the JSON part of the request is over {max_json_bytes} bytes: send images in "
+                              "the binary tensor data extension")
     return body[:split], memoryview(body)[split:]
 
 
@@ -409,7 +417,7 @@ def parse_infer_request(body: bytes | bytearray, header_length: str | None, limi
     ``PIXELS`` images over ``limits.max_pixels``. Counts and declared sizes are checked
     before any tensor is split or converted.
     """
-    header_bytes, binary = _header_split(body, header_length)
+    header_bytes, binary = _header_split(body, header_length, limits.max_json_bytes)
     if len(header_bytes) > limits.max_json_bytes:
         raise PayloadTooLarge(f"the JSON part of the request is over {limits.max_json_bytes} bytes: send images in "
                               "the binary tensor data extension")

@@ -195,7 +195,8 @@ def inflating_binary_body(size_mib: int) -> tuple[bytes, str]:
                      compressor.flush()]), str(len(header))
 
 
-def test_compressed_bodies_inflating_together_stay_within_the_worker_budget_of_body_bytes(server, http):
+@pytest.mark.parametrize("path", oip.INFER_PATHS, ids=["unversioned", "versioned"])
+def test_compressed_bodies_inflating_together_stay_within_the_worker_budget_of_body_bytes(server, http, path):
     """Four concurrent gzip bodies of about 300 KiB, each inflating to 300 MiB (under the request cap): of bodies
     growing together the oldest completes (a 4xx for its content), the others get 429 once the worker's bodies
     would pass the budget, and the server tree grows by about the budget, not by four bodies and their copies
@@ -204,8 +205,7 @@ def test_compressed_bodies_inflating_together_stay_within_the_worker_budget_of_b
     body, header_length = inflating_binary_body(300)
     headers = {"Content-Encoding": "gzip", oip.HEADER_LENGTH: header_length,
                "Content-Type": "application/octet-stream", "X-Deadline-Ms": "10000"}
-    responses, growth_mb = concurrent_posts_with_peak_rss_growth(server, [body] * 4, "/v2/models/rampart/infer",
-                                                                 headers)
+    responses, growth_mb = concurrent_posts_with_peak_rss_growth(server, [body] * 4, path, headers)
     statuses = [response.status_code for response in responses]
     completed = [status for status in statuses if status != 429]
     assert statuses.count(429) == 3 and len(completed) == 1 and 400 <= completed[0] < 500, [r.text for r in responses]

@@ -14,6 +14,7 @@ import functools
 import gzip
 import io
 import json
+import tracemalloc
 import zlib
 
 import numpy as np
@@ -364,6 +365,18 @@ def test_a_json_part_over_its_byte_cap_is_refused_before_it_is_parsed():
     with pytest.raises(PayloadTooLarge):
         oip.parse_infer_request(whitespace, None, dataclasses.replace(LIMITS, max_json_bytes=100))
     assert oip.parse_infer_request(body, header_length, LIMITS).images == [CAT]
+
+
+def test_a_json_part_over_its_byte_cap_is_refused_before_it_is_sliced_out_of_the_body():
+    body = b" " * (8 << 20)  # Inference-Header-Content-Length says all but one byte of it is JSON
+    tracemalloc.start()
+    try:
+        with pytest.raises(PayloadTooLarge, match="the JSON part of the request is over"):
+            oip.parse_infer_request(body, str(len(body) - 1), dataclasses.replace(LIMITS, max_json_bytes=1 << 20))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak  # no copy of the 8 MiB
 
 
 def test_inflating_counts_each_slice_against_the_budget_and_stops_when_one_does_not_fit():
