@@ -52,6 +52,16 @@ the ASGI scope holds as the request's headers, the trailer fields after a chunke
 whole request arrived in one read, the app saw them as headers. ``HeadLimitedProtocol.on_header``
 drops a field that arrives after the head (RFC 9110, section 6.5.1).
 
+**Nothing unread keeps a connection.** Two parts of a request reached the parser after nobody read them
+any more, with no bound. The trailer section of a chunked body: httptools grows a field's value by
+copying it at every read (quadratic) until the field ends, and a section that never ended took the worker
+to 430 MiB and ``/livez`` to 5 s in 20 s; ``HeadLimitedProtocol`` counts it like a head (the reads that
+arrive between the last chunk's size line and the end of the message) and past ``MAX_HEAD_BYTES``
+answers 431 ``headers_too_large`` and closes. And the rest of a body whose request was already answered
+(``/livez`` answered, its declared body still trickling): each byte cancelled uvicorn's keep-alive
+timer, so the connection stayed open for as long as the client sent; now the connection is closed after
+such an answer, the rest of the body read and dropped for at most ``LINGER_S``.
+
 **First byte.** ``stamp_arrivals()`` notes when each request's first byte arrived in its
 ASGI scope (``rampart.api.arrival.ARRIVAL_KEY``), where the deadline clock starts.
 
@@ -128,6 +138,8 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._refused = False  # a 431 or an upgrade refusal was sent: what still arrives is dropped until the close
         self._pipeline_stopped = False  # more than MAX_PIPELINED_REQUESTS were queued: nothing more is parsed
         self._head_timer: TimerHandle | None = None  # armed while a head is awaited or incomplete
+        self._chunk_without_body = False  # a chunk's size line was parsed and none of its data yet: the last chunk's
+        self._trailer_bytes = 0  # bytes of reads that ended inside the trailer section of this message
         self.timeout_keep_alive = self.keep_alive_timeout_s
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -149,6 +161,13 @@ class HeadLimitedProtocol(HttpToolsProtocol):
                 self._refuse()
                 return
             self._head_tail = (self._head_tail + data[-3:])[-3:]
+        elif self._chunk_without_body:  # after the last chunk's size line (or a chunk's, with its data to come)
+            super().data_received(data)
+            if self._chunk_without_body and not self._refused:  # no data came: all of it was trailer section
+                self._trailer_bytes += len(data)
+                if self._trailer_bytes > self.max_head_bytes:
+                    self._refuse_trailer()
+            return
         super().data_received(data)
 
     def _head_part(self, data: bytes) -> int:
@@ -166,6 +185,17 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         RFC 9110, section 6.5.1: trailer fields are not merged into the header section unless known to be safe."""
         if self._in_head:
             super().on_header(name, value)
+
+    def on_chunk_header(self) -> None:
+        """httptools: a chunk's size line was parsed (the last chunk's too, whose trailer section follows)."""
+        self._chunk_without_body = True
+
+    def on_chunk_complete(self) -> None:
+        self._chunk_without_body = False
+
+    def on_body(self, body: bytes) -> None:
+        self._chunk_without_body = False
+        super().on_body(body)
 
     def on_headers_complete(self) -> None:
         self._in_head = False
@@ -212,6 +242,16 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._in_head, self._head_bytes, self._head_tail = True, 0, b""
+        self._chunk_without_body, self._trailer_bytes = False, 0
+
+    def on_response_complete(self) -> None:
+        """uvicorn's end of a response; when the request it answered is still arriving (its head parsed,
+        its message not complete, nothing queued after it), the connection is closed as ``_linger_close``
+        does: the client sees the answer end, and the rest of its body no longer holds the connection."""
+        body_still_arriving = not self._in_head and not self.pipeline and not self._refused
+        super().on_response_complete()
+        if body_still_arriving and not self.transport.is_closing():
+            self._linger_close()
 
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -233,10 +273,30 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._cancel_head_timer()
         error = HeadersTooLarge(f"the request line and headers are over the limit of {self.max_head_bytes} bytes")
         self._write_error(error, b"431 Request Header Fields Too Large")
-        if self.transport.can_write_eof():
-            self.transport.write_eof()  # the client sees the answer end; its own close then ends the connection
-        self.loop.call_later(LINGER_S, self.transport.close)
+        self._linger_close()
+
+    def _refuse_trailer(self) -> None:
+        """The trailer section of a chunked body is over ``max_head_bytes``: answer 431 (unless an answer has
+        started), end the request for the app (it sees the client gone, as at a hang-up, and whatever it
+        still sends is dropped), and close as ``_linger_close`` does."""
+        cycle = self.cycle
+        if not cycle.response_started:
+            error = HeadersTooLarge(f"the trailer fields after the chunked body are over the limit of "
+                                    f"{self.max_head_bytes} bytes")
+            self._write_error(error, b"431 Request Header Fields Too Large")
+        cycle.disconnected = True  # uvicorn's cycle drops what the app still sends
+        cycle.message_event.set()
+        self._linger_close()
+
+    def _linger_close(self) -> None:
+        """End the connection after what was written: the write side is shut (the client reads the end of the
+        answer), what still arrives is dropped, and the connection is closed after ``LINGER_S`` (or at the
+        client's own close). Closing at once with unread bytes would make the kernel reset the connection,
+        and the client could lose the answer before reading it (nginx's lingering close)."""
         self._refused = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(LINGER_S, self.transport.close)
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes the HTTP parser refuses (``msg``: its text), as Rampart's JSON

@@ -5,18 +5,21 @@ event loop and talks to it with asyncio streams: a connection that sends nothing
 head, is closed once the head timeout has passed; an answered keep-alive connection is closed by the
 keep-alive timeout, not the head timeout, and its next request's head is timed again. The same on
 ``bentoml serve``: ``tests/server/test_idle_connections.py``. Last, the same protocol keeps the trailer
-fields of a chunked body out of the request's headers, and bounds the requests a connection may pipeline.
+fields of a chunked body out of the request's headers, bounds the requests a connection may pipeline, bounds
+a trailer section as it bounds a head, and closes a connection whose answered request is still arriving.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 
+import pytest
 import uvicorn
 
-from rampart.compat.uvicorn_httptools import MAX_PIPELINED_REQUESTS, HeadLimitedProtocol
+from rampart.compat.uvicorn_httptools import LINGER_S, MAX_HEAD_BYTES, MAX_PIPELINED_REQUESTS, HeadLimitedProtocol
 
 HEAD_S = 0.3
 KEEP_ALIVE_S = 0.8
@@ -233,3 +236,74 @@ def test_a_connection_pipelining_past_the_bound_gets_the_queued_answers_then_is_
     assert all(head.startswith(b"HTTP/1.1 200") for head in flood)
     assert b"connection: close" in flood[-1].lower() and not any(b"connection: close" in h.lower() for h in flood[:-1])
     assert len(within) == MAX_PIPELINED_REQUESTS + 1 and all(head.startswith(b"HTTP/1.1 200") for head in within)
+
+
+async def read_body_then_answer(scope, receive, send) -> None:
+    """An app that reads the whole request body (as an upload route does), then answers 200 ``ok``."""
+    while (await receive()).get("more_body"):
+        pass
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+CHUNKED_HEAD = b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nbody\r\n0\r\n"
+
+
+@pytest.mark.parametrize("field", [b"X-Trailer: " + b"a" * 4096, b"X-A: b\r\n" * 512], ids=["one_long_field", "many_fields"])
+def test_a_trailer_section_past_the_head_limit_is_answered_431_and_closed(field):
+    """The trailer section after a chunked body's last chunk, streamed without end while the app waits for the
+    body's end (httptools grew one field's value by copying it at every read, with no bound): past
+    ``MAX_HEAD_BYTES`` a JSON 431, the connection closed, and the app's own answer never written."""
+
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(CHUNKED_HEAD)
+
+        async def stream() -> None:
+            for _ in range(4 * MAX_HEAD_BYTES // len(field)):
+                writer.write(field)
+                await writer.drain()
+                await asyncio.sleep(0.001)
+
+        streaming = asyncio.create_task(stream())
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            assert head.startswith(b"HTTP/1.1 431") and b"connection: close" in head, head
+            body = await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+            assert json.loads(body)["error"]["code"] == "headers_too_large", body
+            assert b"trailer" in body
+            assert await closed_after(reader) <= LINGER_S + MARGIN_S
+        finally:  # on a failure too: the server's shutdown waits for this connection
+            streaming.cancel()
+            writer.close()
+
+    serving(test, read_body_then_answer)
+
+
+@pytest.mark.parametrize("request_start", [
+    b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\nbody",  # a declared body still arriving
+    CHUNKED_HEAD + b"X-Trailer: ",  # a trailer section that never ends
+], ids=["content_length", "chunked_trailer"])
+def test_the_rest_of_an_answered_request_does_not_hold_its_connection(request_start):
+    """An app that answers without reading the body (``/livez``, a 404), and a client that keeps sending the
+    rest of it a byte at a time: each byte cancelled uvicorn's keep-alive timer, and the connection stayed open
+    for as long as the client sent. The answer arrives whole, and the connection is closed ``LINGER_S`` after it."""
+
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request_start)
+        assert (await answered(reader)).startswith(b"HTTP/1.1 200")
+
+        async def trickle() -> None:
+            while True:
+                writer.write(b"a")
+                await asyncio.sleep(KEEP_ALIVE_S / 8)
+
+        trickling = asyncio.create_task(trickle())
+        try:
+            assert await closed_after(reader) <= LINGER_S + MARGIN_S
+        finally:  # on a failure too: the server's shutdown waits for this connection
+            trickling.cancel()
+            writer.close()
+
+    serving(test)
