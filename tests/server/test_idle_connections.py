@@ -1,5 +1,6 @@
 """Idle and slow connections on a real server: silent connections and trickled heads are closed by the head
-timeout, an answered keep-alive connection by the keep-alive timeout, while uploads are still answered.
+timeout, an answered keep-alive connection by the keep-alive timeout, while uploads are still answered; the
+rest of an answered request's body and an endless trailer section do not hold a connection either.
 
 The module starts its own server with short timeouts (``HEAD_S``, ``KEEP_ALIVE_S``); the in-process tests
 of the same protocol are in ``tests/unit/test_connection_timeouts.py``.
@@ -15,6 +16,7 @@ import time
 import httpx
 import pytest
 
+from rampart.compat.uvicorn_httptools import LINGER_S
 from tests.support import encode, photo
 
 HEAD_S = 1.5
@@ -143,3 +145,63 @@ def test_an_answered_keep_alive_connection_is_closed_after_the_keep_alive_timeou
     sock.close()
     print(f"keep-alive: closed {idle:.2f} s after the answer")
     assert KEEP_ALIVE_S - 0.2 <= idle <= KEEP_ALIVE_S + MARGIN_S
+
+
+def answers_then_close(socks: list[socket.socket], limit_s: float, every_s: float, write) -> list[tuple[bytes, float]]:
+    """For each socket, what the server sent and the seconds until it closed the connection (``inf``: still
+    open at ``limit_s``); ``write(sock)`` is called on every open socket each ``every_s``."""
+    received = [b""] * len(socks)
+    closed = [float("inf")] * len(socks)
+    opened = next_write = time.monotonic()
+    while time.monotonic() - opened < limit_s and any(t == float("inf") for t in closed):
+        for index, sock in enumerate(socks):
+            if closed[index] != float("inf"):
+                continue
+            try:
+                if time.monotonic() >= next_write:
+                    write(sock)
+                while chunk := sock.recv(65536):
+                    received[index] += chunk
+                closed[index] = time.monotonic() - opened  # EOF
+            except BlockingIOError:
+                pass
+            except (ConnectionResetError, BrokenPipeError):
+                closed[index] = time.monotonic() - opened
+        if time.monotonic() >= next_write:
+            next_write += every_s
+        time.sleep(0.01)
+    return list(zip(received, closed))
+
+
+def test_the_rest_of_an_answered_body_and_an_endless_trailer_section_do_not_hold_connections(timed_server):
+    """Found by a hostile-client check: 10 ``GET /livez`` whose declared 1 MB body is trickled a byte at a time
+    after their 200 (each byte restarted the keep-alive timer: open as long as the client sent), and 10 chunked
+    uploads whose trailer section is streamed without end (grown by copying in the parser until the deadline):
+    the first are closed ``LINGER_S`` after their answer, the second answered 431 ``headers_too_large`` and
+    closed; an ordinary upload is answered after them."""
+    port = int(timed_server.url.rsplit(":", 1)[1])
+    upload = encode(photo("chelsea"))
+    livez = [connect(port) for _ in range(10)]
+    for sock in livez:
+        sock.sendall(b"GET /livez HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\nx")
+    trailers = [connect(port) for _ in range(10)]
+    for sock in trailers:
+        sock.setblocking(True)
+        sock.sendall(b"POST /classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nTransfer-Encoding: chunked"
+                     b"\r\n\r\n%x\r\n%s\r\n0\r\nX-Trailer: " % (len(upload), upload))
+        sock.setblocking(False)
+
+    def more(sock: socket.socket) -> None:
+        sock.send(b"a" if sock in livez else b"a" * 8192)
+
+    results = answers_then_close(livez + trailers, LINGER_S + MARGIN_S + 3, 0.05, more)
+    with httpx.Client(base_url=timed_server.url, timeout=30) as client:
+        assert client.post("/classify", content=upload).status_code == 200
+    for sock in livez + trailers:
+        sock.close()
+    print("closed after (s):", [round(closed, 2) for _, closed in results])
+    for answer, closed in results[:10]:
+        assert answer.startswith(b"HTTP/1.1 200") and closed <= LINGER_S + MARGIN_S, (answer[:200], closed)
+    for answer, closed in results[10:]:
+        assert answer.startswith(b"HTTP/1.1 431") and b"headers_too_large" in answer, answer[:300]
+        assert closed <= LINGER_S + MARGIN_S, closed
