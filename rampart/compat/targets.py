@@ -133,6 +133,15 @@ TARGETS: tuple[Target, ...] = (
     # llhttp reports, after the head too, to the list the ASGI scope holds as its headers.
     Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "HttpToolsProtocol.on_header",
            "a5fcba108a221bc7abdf9329bcc32f4a5df859e039cffdf2c60c5e0d6f1cc89a"),
+    # Nothing unread keeps a connection: the trailer section is counted between a chunk's size line and its data
+    # (on_body) or the message's end (on_message_complete); past the bound the app's cycle is ended as at a hang-up
+    # (receive answers http.disconnect, send drops); the rest of an answered body ends the connection.
+    Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "HttpToolsProtocol.on_body",
+           "f10f577730cd2e961a50d5bf4107e6c5891acdc73430cc669e336e0c38344038"),
+    Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "HttpToolsProtocol.on_message_complete",
+           "ca6a0254d3b3f82df87482ab6ee133f6ca5b9eea75ea0fb15042bc21162f7e3b"),
+    Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "RequestResponseCycle.receive",
+           "b717688fddd64e7b385e1883c4c0ba200248b2799c608ee23d73995b33001f97"),
     Target("uvicorn_httptools.stamp_arrivals", _HTTPTOOLS, "HttpToolsProtocol.on_message_begin",
            "8b027723aca379722d73c79e47b4d65ea5bf8c977a6706939a00209b7ae5c912"),
     # A write refused because the client's connection closed before uvicorn marked the cycle disconnected.
