@@ -35,7 +35,7 @@ RECOVERY_S = 5.0
 
 
 @pytest.fixture(scope="module")
-def tau_server(tmp_path_factory):
+def tau_server(tmp_path_factory, stop_in_background):
     """Rampart with a 1 s throughput time constant; stopped when this module ends."""
     server = Replica("serve", tmp_path_factory.mktemp("serve"), {"RAMPART_THROUGHPUT_TAU_MS": str(TAU_MS)})
     try:
@@ -43,7 +43,7 @@ def tau_server(tmp_path_factory):
         answered_by_primary(server)
         yield server
     finally:
-        server.stop()
+        stop_in_background(server)
 
 
 def answered_by_primary(server: Replica, timeout_s: float = 120) -> None:
