@@ -76,7 +76,7 @@ import uuid
 
 from asyncio import TimerHandle
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from rampart.api.arrival import ARRIVAL_KEY
 from rampart.api.http import JsonResponse
@@ -140,6 +140,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._head_timer: TimerHandle | None = None  # armed while a head is awaited or incomplete
         self._chunk_without_body = False  # a chunk's size line was parsed and none of its data yet: the last chunk's
         self._trailer_bytes = 0  # bytes of reads that ended inside the trailer section of this message
+        self._previous_cycle: RequestResponseCycle | None = None  # the cycle before the newest (self.cycle)
         self.timeout_keep_alive = self.keep_alive_timeout_s
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -204,6 +205,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         if upgrade is not None and not self._should_upgrade():
             self._refuse_upgrade(upgrade)
             return
+        self._previous_cycle = self.cycle  # the request before this one: being answered, or queued
         super().on_headers_complete()
         if len(self.pipeline) > MAX_PIPELINED_REQUESTS:
             self._stop_pipelining()
@@ -301,12 +303,37 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes the HTTP parser refuses (``msg``: its text), as Rampart's JSON
         ``malformed_request``; the connection is closed, as uvicorn closes it. Nothing when the parser was
-        stopped on purpose (``_stop_pipelining``): the queued requests are still to be answered."""
+        stopped on purpose (``_stop_pipelining``): the queued requests are still to be answered.
+
+        Behind earlier requests of the same connection that are still to be answered (pipelining), the
+        malformed one gets no answer: those are answered in order, the last with ``connection: close``, and
+        nothing more is read (``_close_after_earlier_answers``). uvicorn wrote its 400 at once, ahead of their
+        answers (so the client took it for the first request's), and closed the connection under them."""
         if self._pipeline_stopped:
             return
         self._cancel_head_timer()
+        if self._close_after_earlier_answers():
+            return
         self._write_error(MalformedRequest(f"{msg} The request could not be parsed as HTTP/1.1."), b"400 Bad Request")
         self.transport.close()
+
+    def _close_after_earlier_answers(self) -> bool:
+        """When the malformed bytes come after requests still to be answered: drop the malformed request (a
+        queued one whose body broke, or a head that never completed), end the connection after the answer
+        to the last request before it, read nothing more, and return True. False when no earlier request
+        waits for its answer (or the broken body is the request being answered: it gets the 400)."""
+        if not self._in_head:  # the body of the newest parsed request broke
+            if not self.pipeline:
+                return False  # it is the request being answered: its app sees the connection end
+            self.pipeline.popleft()  # queued, never started (uvicorn queues the newest on the left)
+            last = self.pipeline[0][0] if self.pipeline else self._previous_cycle
+        else:
+            last = self.cycle
+        if last is None or last.response_complete:
+            return False
+        last.keep_alive = False  # uvicorn closes the connection once that answer is sent
+        self._refused = True
+        return True
 
     def _write_error(self, error: RampartError, status_line: bytes) -> None:
         """Write ``error`` as a JSON answer with ``connection: close`` (no ASGI app runs), count and log it;

@@ -307,3 +307,32 @@ def test_the_rest_of_an_answered_request_does_not_hold_its_connection(request_st
             writer.close()
 
     serving(test)
+
+
+@pytest.mark.parametrize("malformed", [
+    b"GARBAGE\r\n\r\n",  # a head the parser refuses
+    b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",  # a queued request's broken body
+], ids=["head", "queued_body"])
+def test_a_malformed_request_behind_pipelined_ones_leaves_their_answers_first_and_in_order(malformed, capfd):
+    """Two requests and a malformed third in one write (uvicorn wrote its 400 at once, ahead of the two answers,
+    and closed the connection under them: the client took the 400 for the first request's answer). Both are
+    answered, in order, the second with ``connection: close``; then the connection ends, and nothing is logged
+    as an error."""
+
+    async def slow_hello(scope, receive, send) -> None:
+        await asyncio.sleep(0.2)  # still computing when the malformed request is parsed
+        await hello(scope, receive, send)
+
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(REQUEST * 2 + malformed)
+            heads = [await answered(reader), await answered(reader)]
+            assert all(head.startswith(b"HTTP/1.1 200") for head in heads), heads
+            assert b"connection: close" in heads[1].lower() and b"connection: close" not in heads[0].lower(), heads
+            assert await closed_after(reader) <= MARGIN_S
+        finally:
+            writer.close()
+
+    serving(test, slow_hello)
+    assert "ASGI" not in capfd.readouterr().err
