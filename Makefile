@@ -84,7 +84,7 @@ stop-cluster:
 	$(PY) -m deploy.cluster stop
 
 # A hung test fails after TEST_TIMEOUT_S with every thread's stack (pytest-timeout); the whole run,
-# interpreter exit included, is cut at SUITE_TIMEOUT, far above their 15-16 minutes on 2 cores (measured on fresh clones).
+# interpreter exit included, is cut at SUITE_TIMEOUT, far above the suite's 14-15 minutes on 2 cores (measured on fresh clones).
 TEST_TIMEOUT_S ?= 600
 SUITE_TIMEOUT ?= 45m
 

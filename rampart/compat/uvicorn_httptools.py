@@ -36,7 +36,8 @@ past ``request_head_timeout_ms`` the connection is closed, with no answer (as ng
 **A JSON 400 for what the parser refuses.** uvicorn answers a request llhttp cannot parse (a negative
 or repeated ``Content-Length``, a bad chunk size, a lower-case method) with a plain-text 400 and closes
 the connection; ``HeadLimitedProtocol.send_400_response`` sends Rampart's JSON error
-``malformed_request`` instead, counted and logged like every answer. A request that asks to
+``malformed_request`` instead, counted and logged like every answer (behind pipelined requests still to be
+answered it gets none: they are answered first, in order, and the connection closed after them). A request that asks to
 upgrade to a protocol Rampart does not serve (``Upgrade: h2c``; only a served WebSocket is upgraded)
 gets the same answer from ``on_headers_complete``, before any app runs: llhttp stops parsing at the
 end of its head, so its body and every later request on the connection were lost.
@@ -135,7 +136,8 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._in_head = True  # from the end of a message to the end of the next head
         self._head_bytes = 0
         self._head_tail = b""  # the head's last bytes so far, to find an end cut between two reads
-        self._refused = False  # a 431 or an upgrade refusal was sent: what still arrives is dropped until the close
+        self._refused = False  # the connection is ending (a 431, an upgrade refused, a lingering close, a malformed
+        # request behind pipelined ones): what still arrives is dropped until the close
         self._pipeline_stopped = False  # more than MAX_PIPELINED_REQUESTS were queued: nothing more is parsed
         self._head_timer: TimerHandle | None = None  # armed while a head is awaited or incomplete
         self._chunk_without_body = False  # a chunk's size line was parsed and none of its data yet: the last chunk's
