@@ -210,6 +210,11 @@ class DecodeSettings(_Group):
                                                       "pixels at about 0.6× Pillow's CPU; anything libspng refuses "
                                                       "goes to Pillow ([decoding.md](decoding.md)); `pillow`: always "
                                                       "Pillow")
+    # 8 MiB: a decode's own blocks (frames, arrays, the upload) stay below the 4 MiB from which memory is mapped.
+    heap_keep_mib: int = Field(8, ge=0, le=1024, description="freed C heap each decode worker keeps for the next "
+                               "upload (glibc: trim threshold, blocks under half of it come from the heap); without "
+                               "it every frame was mapped fresh, about a tenth of a small PNG's decode CPU "
+                               "([decoding.md](decoding.md#the-decode-workers-heap)); 0: glibc's defaults")
     # 1.0: measured top-1 agreement in docs/decoding.md.
     oversample: float = Field(1.0, ge=1.0, le=8.0, description="source pixels per output pixel (each axis) the "
                               "decoder keeps: a JPEG is decoded at 1/2, 1/4 or 1/8 scale and any frame box-reduced "

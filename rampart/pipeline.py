@@ -82,6 +82,7 @@ from rampart.inputs.decoding import DecodeLimits
 from rampart.errors import CorruptImage, DecodeTimeout, ImageError, Overloaded
 from rampart.lane import Attempt, ModelEndpoint, ModelLane, RunnerResult
 from rampart.inputs.pool import BoundedPool, JobTimeout, WorkerDied
+from rampart.heap import keep_freed_heap
 from rampart.results import MAX_TOP_K, confidences, label_entries, top_classes
 from rampart.shadow import AnsweredBody
 
@@ -140,11 +141,13 @@ def decode_plan(settings: Settings, buckets: dict[str, dict[str, Bucket]]) -> De
 
 def decode_pool(settings: Settings) -> BoundedPool:
     """This API worker's decode pool: ``decode_mode`` processes (forkserver preloaded with the decode
-    code) or threads, ``Settings.decode_workers_per_api_worker`` of them at ``decode_nice``, and a wait
+    code) or threads, ``Settings.decode_workers_per_api_worker`` of them at ``decode_nice``, each process
+    keeping ``decode_heap_keep_mib`` of freed heap (``rampart.heap.keep_freed_heap``), and a wait
     queue of ``decode_queue`` uploads (unbounded with ``admission`` ``off``, an experiment's setting)."""
     queue = sys.maxsize if settings.admission_mode == "off" else settings.decoding.queue
     return BoundedPool(settings.decode_workers_per_api_worker, queue, nice=settings.decoding.nice,
-                       processes=settings.decoding.mode == "processes", preload=("rampart.inputs.decode_job",))
+                       processes=settings.decoding.mode == "processes", preload=("rampart.inputs.decode_job",),
+                       process_setup=(keep_freed_heap, (settings.decoding.heap_keep_mib << 20,)))
 
 
 @dataclass(frozen=True)

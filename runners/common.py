@@ -38,11 +38,12 @@ from rampart.compat.bentoml_private import debug_mode
 from rampart.config import Settings, default_cpu_threads, get_settings
 from rampart.cores import available_cores, cpu_quota_cores, place_this_process, usable_cores
 from rampart.faults import FaultInjector, FaultSpec
+from rampart.heap import release_heap
 from rampart.inputs.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
 from rampart.telemetry import metrics
 
 __all__ = ["RunnerItem", "RunnerResult", "BucketedRunner", "RunnerSpec", "runner_spec", "load_engine", "define_runner",
-           "dispatch_when_free", "pick_engine", "release_heap", "runner_tracing_config"]
+           "dispatch_when_free", "pick_engine", "runner_tracing_config"]
 
 check_versions()  # the runner processes run on the pinned BentoML, uvicorn and httptools, or not at all
 dispatch_when_free()  # BentoML's batcher learns to hold a lone request back after an overload: see the function
@@ -378,20 +379,6 @@ def pick_engine(spec: RunnerSpec, model, settings: Settings, threads: int,
                                "running on torch. `python -m models.import_models` adds it.", model.tag)
     engine_log.info("%s runner: engine %s (%s: %s)", spec.role, choice.engine, choice.mode, choice.reason)
     return choice
-
-
-def release_heap() -> None:
-    """Return the C heap's free memory to the operating system (glibc ``malloc_trim(0)``; no-op elsewhere).
-
-    glibc keeps freed memory of large temporary buffers (warm-up batches) in the process;
-    trimming after warm-up leaves the resident size at what serving needs.
-    """
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def define_runner(role: str, name: str, doc: str) -> bentoml.Service:

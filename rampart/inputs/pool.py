@@ -130,9 +130,10 @@ def _receive(conn, known: dict[str, object] | None = None) -> tuple[bytes, objec
     return header[:1], _Unpickler(io.BytesIO(memoryview(header)[5:]), frames, known or {}).load()
 
 
-def _serve(conn, nice: int) -> None:
-    """A worker process: run each job ``(fn, args)`` from ``conn`` and send back ``("ok", result)`` or
-    ``("error", exc)``; a definition ``(key, obj)`` is kept for the jobs that name ``key`` (``BoundedPool.share``)."""
+def _serve(conn, nice: int, setup: tuple[Callable, tuple] | None = None) -> None:
+    """A worker process: run ``setup`` (``(fn, args)``) once, then each job ``(fn, args)`` from ``conn`` and send
+    back ``("ok", result)`` or ``("error", exc)``; a definition ``(key, obj)`` is kept for the jobs that name
+    ``key`` (``BoundedPool.share``)."""
     # Ctrl-C and SIGTERM on `bentoml serve` are the parent's to handle: during its graceful drain
     # (rampart.api.lifecycle) circus signals the API worker's children too, and decoding must go on.
     # The worker still ends with its parent: the pipe closes and ``recv`` raises EOFError.
@@ -143,6 +144,8 @@ def _serve(conn, nice: int) -> None:
             os.setpriority(os.PRIO_PROCESS, 0, nice)
         except OSError:
             pass
+    if setup is not None:
+        setup[0](*setup[1])
     known: dict[str, object] = {}
     while True:
         try:
@@ -189,8 +192,9 @@ class _Process:
     replacement after ``close`` starts nothing.
     """
 
-    def __init__(self, context, nice: int, name: str, shared: dict[int, tuple[str, object]]) -> None:
-        self.context, self.nice, self.name = context, nice, name
+    def __init__(self, context, nice: int, name: str, shared: dict[int, tuple[str, object]],
+                 setup: tuple[Callable, tuple] | None = None) -> None:
+        self.context, self.nice, self.name, self.setup = context, nice, name, setup
         self.shared = shared  # the pool's: id(obj) -> (key, obj)
         self.defined: set[str] = set()  # keys this process has been sent
         self.start_ms = 0.0
@@ -203,7 +207,7 @@ class _Process:
         started = time.perf_counter()
         self.conn, child = self.context.Pipe()
         self.defined = set()
-        self.process = self.context.Process(target=_serve, args=(child, self.nice), name=self.name, daemon=True)
+        self.process = self.context.Process(target=_serve, args=(child, self.nice, self.setup), name=self.name, daemon=True)
         with _START_LOCK:
             # A forkserver child re-imports the parent's __main__ (CPython multiprocessing.spawn.prepare):
             # under `bentoml serve` that is BentoML's worker entry point, seconds of imports per
@@ -284,11 +288,15 @@ class BoundedPool:
     """``workers`` workers (processes or threads, at niceness ``nice``) plus a wait queue of ``queue`` jobs.
 
     ``retry_after_s`` goes into 429s. ``preload``: modules the process mode's
-    forkserver imports once, so each (re)started worker has them already.
+    forkserver imports once, so each (re)started worker has them already. ``process_setup``:
+    ``(fn, args)``, a picklable module-level function that each worker process (new or
+    replaced) runs once before its first job, for what belongs to the process (not to threads:
+    the thread mode ignores it).
     """
 
     def __init__(self, workers: int, queue: int, retry_after_s: float = 1.0, name: str = "rampart-decode",
-                 nice: int = 0, processes: bool = False, preload: tuple[str, ...] = ()) -> None:
+                 nice: int = 0, processes: bool = False, preload: tuple[str, ...] = (),
+                 process_setup: tuple[Callable, tuple] | None = None) -> None:
         self.workers = workers
         self.capacity = workers + queue
         self.retry_after_s = retry_after_s
@@ -305,7 +313,7 @@ class BoundedPool:
             context = multiprocessing.get_context("forkserver")
             context.set_forkserver_preload([__name__, *preload])
             for index, slot in enumerate(self._slots):
-                slot.process = _Process(context, nice, f"{name}-{index}", self._shared)
+                slot.process = _Process(context, nice, f"{name}-{index}", self._shared, process_setup)
         self._threads = [
             threading.Thread(target=self._work, args=(slot,), name=f"{name}-{i}", daemon=True)
             for i, slot in enumerate(self._slots)

@@ -76,6 +76,31 @@ def test_a_worker_that_dies_is_replaced_and_the_job_raises_worker_died(pool):
     assert pool.stats()["alive"] == 2
 
 
+def test_decode_workers_keep_freed_heap_so_a_decode_maps_no_fresh_memory():
+    """With small fixed thresholds (blocks from 128 KiB mapped, the heap trimmed past 256 KiB; glibc starts at
+    128 KiB for both) a decode worker maps each decode's frames afresh (a 260×260 frame is 270 KB): page faults on
+    every upload. glibc's dynamic thresholds ended there in about half of the fresh workers, depending on what
+    the process had freed before. The service's decode workers keep freed heap (``decode_heap_keep_mib``, run
+    in each worker process, a replaced one included)."""
+    from rampart.heap import keep_freed_heap
+    from tests.support.heap import faults_per_prepare
+
+    body = encode(np.asarray(Image.fromarray(photo("chelsea")).resize((260, 260))), "PNG")
+    settings = Settings(decoding={"workers": 1})
+    pool = decode_pool(settings)
+    plan = pool.share(stand_in_chain(settings).plan)
+    try:
+        kept = asyncio.run(pool.run(faults_per_prepare, body, plan, 30))
+        pool._slots[0].process.replace()
+        kept_after_replacement = asyncio.run(pool.run(faults_per_prepare, body, plan, 30))
+        assert asyncio.run(pool.run(keep_freed_heap, 256 << 10))  # glibc's starting thresholds, fixed
+        starting = asyncio.run(pool.run(faults_per_prepare, body, plan, 30))
+    finally:
+        pool.close()
+    assert starting >= 20  # about 90-160 on this host
+    assert kept <= 1 and kept_after_replacement <= 1
+
+
 def test_process_pool_keeps_priority_order_and_its_queue_bound():
     one = BoundedPool(workers=1, queue=3, processes=True)
     try:
