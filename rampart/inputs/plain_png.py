@@ -1,9 +1,10 @@
 """The commonest PNG, decoded by libspng: plain 8-bit RGB, its pixel data last.
 
-A 260×260 RGB PNG costs Pillow 13's decoder about 2.2 ms of CPU (inflate, then
-unfiltering and unpacking each row in scalar C); libspng (through ``imagecodecs``,
-pinned) gives the very same pixels in about 1.4 ms, measured on the 2-core host
-(docs/decoding.md). PNG is lossless, so any correct decoder yields identical
+A 260×260 RGB PNG costs Pillow 13's decoder about 2.0-2.2 ms of CPU (inflate, then
+unfiltering and unpacking each row in scalar C); libspng (through ``pyspng-seunglab``,
+pinned, whose libspng inflates with miniz) gives the very same pixels in about 1.0 ms,
+measured on the 2-core host (docs/decoding.md; ``imagecodecs``' libspng, built with
+zlib 1.2.13, took 1.4 ms). PNG is lossless, so any correct decoder yields identical
 bytes: the unit tests compare the two on real photos saved with every PNG filter.
 
 Only a file that Pillow has already opened (its header checked against every
@@ -18,10 +19,11 @@ limit) and that is *plain* takes this path (``is_plain_rgb_png``):
   orientation (``eXIf``, EXIF or XMP text) precedes the pixels, so
   ``Image.open`` has read it and the orientation is known without Pillow's decode.
 
-Anything libspng refuses (a bad CRC, truncated or corrupt data, an error of any
-kind) returns None, and the caller decodes with Pillow as before, which decides
-what the upload's error is and whether ``rampart.inputs.recovery`` may repair it:
-this path only ever answers faster, never differently. The caller uses it only
+Anything libspng refuses (truncated or corrupt data, an error of any kind) returns
+None, and the caller decodes with Pillow as before, which decides what the upload's
+error is and whether ``rampart.inputs.recovery`` may repair it: this path only ever
+answers faster, never differently. A wrong CRC on a pixel-data chunk is decoded by
+both, as Pillow does (the chunks before the pixels had theirs checked by ``Image.open``). The caller uses it only
 when no shrink follows (the frame is small), so its transient memory (the
 H×W×3 array, then Pillow's copy) stays within that of Pillow's own decode.
 """
@@ -31,7 +33,7 @@ from __future__ import annotations
 import struct
 
 import numpy as np
-from imagecodecs import spng_decode  # loads libspng only: imagecodecs imports its codecs lazily (about 1 MB)
+import pyspng
 from PIL import Image
 
 __all__ = ["is_plain_rgb_png", "decode_plain_rgb_png"]
@@ -78,8 +80,8 @@ def decode_plain_rgb_png(data: bytes, size: tuple[int, int]) -> Image.Image | No
     caller then decodes with Pillow).
     """
     try:
-        pixels = spng_decode(data)
-    except Exception:  # SpngError, or anything else: Pillow decides what the upload's fault is
+        pixels = pyspng.load(data, "RGB")
+    except Exception:  # RuntimeError from pyspng, or anything else: Pillow decides what the upload's fault is
         return None
     width, height = size
     if pixels.dtype != np.uint8 or pixels.shape != (height, width, 3):
