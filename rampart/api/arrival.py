@@ -43,13 +43,15 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from dataclasses import dataclass
+from collections import deque
+from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Collection
 
 from rampart.hangup import serve_until_hang_up
 
 __all__ = ["ARRIVAL_KEY", "FUTURE_SKEW_MS", "Arrival", "arrival_of", "parse_request_start", "bound_inflight",
-           "behind_bound", "InflightBound", "HOLD_BODY_BYTES_KEY", "hold_body_bytes", "LARGE_BODY_SHARE"]
+           "behind_bound", "InflightBound", "HOLD_BODY_BYTES_KEY", "hold_body_bytes", "LARGE_BODY_SHARE",
+           "SLOW_WINDOW_MIN_S"]
 
 #: ASGI scope key holding the ``time.monotonic()`` of the request's first byte.
 ARRIVAL_KEY = "rampart.first_byte_monotonic"
@@ -59,6 +61,8 @@ HOLD_BODY_BYTES_KEY = "rampart.hold_body_bytes"
 #: The share of the budget of body bytes (``max_held_body_bytes``) that requests holding more than one
 #: upload's worth (``small_body_bytes``) may fill together; the rest stays for single uploads.
 LARGE_BODY_SHARE = 0.75
+#: The shortest window over which a body's recent bytes decide whether it is slow ("Slow holders give way").
+SLOW_WINDOW_MIN_S = 1.0
 #: An ``X-Request-Start`` stamp up to this far in the future is taken as "now" (clock skew between hosts).
 FUTURE_SKEW_MS = 1000.0
 _STAMP = re.compile(r"^\s*(?:t=)?\s*(\d{1,20}(?:\.\d{1,9})?)\s*$")
@@ -127,16 +131,23 @@ class _BodyStop(BaseException):
 
 @dataclass
 class _Body:
-    """One request's body phase at the front: ``due`` (event loop time by which more of the body must have
-    come), ``received`` bytes so far, ``held`` bytes it counts against the worker's budget (received, and
-    whatever its handler holds through ``hold_body_bytes``), and whether it still ``receiving`` or is
-    ``admitted`` (in flight)."""
+    """One request's body phase at the front: ``started`` (event loop time of its head), ``due`` (event loop
+    time by which more of the body must have come; None: no rate check), ``received`` bytes so far,
+    ``recent`` (event loop time, bytes) of its chunks within the last window (``InflightBound.recent_bytes``),
+    ``held`` bytes it counts against the worker's budget (received, and whatever its handler holds through
+    ``hold_body_bytes``), whether it still ``receiving`` or is ``admitted`` (in flight), ``timer``, the
+    ``asyncio.Timeout`` its wait for the next chunk runs under (rescheduled to cut it), and whether it was
+    ``cut_for_room`` ("Slow holders give way")."""
 
-    due: float
+    started: float
+    due: float | None
     received: int = 0
+    recent: deque = field(default_factory=deque)
     held: int = 0
     receiving: bool = True
     admitted: bool = False
+    timer: asyncio.Timeout | None = None
+    cut_for_room: bool = False
 
 
 class InflightBound:
@@ -163,6 +174,15 @@ class InflightBound:
     fill only ``LARGE_BODY_SHARE`` of the budget, so large bodies leave room for single uploads, except the
     oldest request holding bytes (of large bodies growing together, the first completes while the later are
     refused), and a request may always hold what its own caps allow while no other request holds any byte.
+
+    **Slow holders give way.** A body that sent most of itself quickly and then stalls (or trickles) is ahead
+    of the minimum rate for a long time, and while it waits it holds its bytes: a few dozen such bodies filled
+    the budget and every upload was refused until their deadlines. So when a chunk does not fit, the bodies
+    still arriving that brought less than ``window × min_body_bytes_per_s`` bytes (at least one) in the last
+    ``window`` (``body_grace_s``, at least ``SLOW_WINDOW_MIN_S``), and are older than that window, are cut
+    (``too_slow``: 408, connection closed; ``slow_cut_for_room`` counts them), slowest first, as many as it
+    takes for the chunk to fit; their bytes leave the budget at once. If cutting all of them would not make
+    room, none is cut and the chunk is refused as before. Without contention for the budget nothing changes.
     """
 
     def __init__(self, limit: Callable[[], int], refuse: Callable[[dict, Callable, Callable], Awaitable[None]],
@@ -187,6 +207,7 @@ class InflightBound:
         self.cut = 0
         self.held = 0
         self.over_budget_refused = 0
+        self.slow_cut_for_room = 0
         self._holders: dict[int, _Body] = {}  # the requests holding bytes, oldest first
         self._wrapped: dict[int, Callable] = {}
 
@@ -201,13 +222,47 @@ class InflightBound:
             oldest = next(iter(self._holders.values()))
             if body is not oldest and body.held + size > self.small_body_bytes:
                 room = int(room * LARGE_BODY_SHARE)
-            if self.held + size > room:
+            if self.held + size > room and not self._cut_slow_holders(body, self.held + size - room):
                 self.over_budget_refused += 1
                 return False
         if size and not body.held:
             self._holders[id(body)] = body
         body.held += size
         self.held += size
+        return True
+
+    def recent_bytes(self, body: _Body, now: float) -> int:
+        """The bytes ``body`` received in the last window (``body_grace_s``, at least ``SLOW_WINDOW_MIN_S``) before
+        ``now`` (event loop time); older entries leave ``body.recent``."""
+        window = max(self.body_grace_s, SLOW_WINDOW_MIN_S)
+        while body.recent and body.recent[0][0] <= now - window:
+            body.recent.popleft()
+        return sum(size for _, size in body.recent)
+
+    def _cut_slow_holders(self, needing: _Body, excess: int) -> bool:
+        """Cut the slow bodies still arriving (class doc, "Slow holders give way"), slowest first, until ``excess``
+        bytes have left the budget; True when they have. Cuts none when all of them together hold less."""
+        now = asyncio.get_running_loop().time()
+        window = max(self.body_grace_s, SLOW_WINDOW_MIN_S)
+        floor = max(1.0, window * self.min_body_bytes_per_s)
+        slow = []
+        for index, other in enumerate(self._holders.values()):
+            if other is needing or not other.receiving or other.timer is None or now - other.started < window:
+                continue
+            recent = self.recent_bytes(other, now)
+            if recent < floor:
+                slow.append((recent, -other.held, index, other))
+        if sum(-negative_held for _, negative_held, _, _ in slow) < excess:
+            return False
+        for _, _, _, other in sorted(slow):
+            if excess <= 0:
+                break
+            excess -= other.held
+            self.held -= other.held
+            other.held, other.cut_for_room = 0, True
+            self._holders.pop(id(other), None)
+            other.timer.reschedule(now)  # its wait for the next chunk ends with TimeoutError: 408, closed
+            self.slow_cut_for_room += 1
         return True
 
     def wrap(self, app: Callable) -> Callable:
@@ -225,7 +280,7 @@ class InflightBound:
                     self.refused += 1
                     return await self.refuse(scope, receive, send)
                 started = asyncio.get_running_loop().time()
-                body = _Body(started + self.body_grace_s)
+                body = _Body(started, started + self.body_grace_s if self.min_body_bytes_per_s > 0 else None)
                 scope[HOLD_BODY_BYTES_KEY] = lambda size: self.hold(body, size)
                 if has_body:
                     self.receiving += 1
@@ -237,16 +292,17 @@ class InflightBound:
                     if not body.receiving:
                         return await receive()
                     try:
-                        if self.min_body_bytes_per_s > 0:
-                            async with asyncio.timeout_at(body.due):
-                                message = await receive()
-                        else:
+                        async with asyncio.timeout_at(body.due) as body.timer:
                             message = await receive()
+                        if body.cut_for_room:  # its chunk came in the same turn of the loop as the cut
+                            raise TimeoutError
                     except TimeoutError:
                         self._stop_receiving(body)
                         self.cut += 1
-                        await self.too_slow(scope, receive, send)
+                        await (self.too_slow or self.over_budget or self.refuse)(scope, receive, send)
                         raise _BodyStop from None
+                    finally:
+                        body.timer = None
                     if message.get("type") != "http.request":
                         return message  # a disconnect: the handler's own body read reports it
                     size = len(message.get("body", b""))
@@ -255,6 +311,8 @@ class InflightBound:
                         await self.over_budget(scope, receive, send)
                         raise _BodyStop
                     body.received += size
+                    if size and self.max_held_bytes:
+                        body.recent.append((asyncio.get_running_loop().time(), size))
                     if self.min_body_bytes_per_s > 0:  # due when (t - grace) x rate passes what came
                         body.due = started + self.body_grace_s + body.received / self.min_body_bytes_per_s
                     if not message.get("more_body", False):

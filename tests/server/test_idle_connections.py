@@ -1,9 +1,11 @@
 """Idle and slow connections on a real server: silent connections and trickled heads are closed by the head
 timeout, an answered keep-alive connection by the keep-alive timeout, while uploads are still answered; the
-rest of an answered request's body and an endless trailer section do not hold a connection either.
+rest of an answered request's body and an endless trailer section do not hold a connection either, nor bodies
+that stall holding the worker's budget of body bytes.
 
-The module starts its own server with short timeouts (``HEAD_S``, ``KEEP_ALIVE_S``); the in-process tests
-of the same protocol are in ``tests/unit/test_connection_timeouts.py``.
+The module starts its own server with short timeouts (``HEAD_S``, ``KEEP_ALIVE_S``) and a small budget of body
+bytes (``HELD_BUDGET_BYTES``); the in-process tests of the same protocol are in
+``tests/unit/test_connection_timeouts.py`` and ``tests/unit/test_arrival.py``.
 """
 
 from __future__ import annotations
@@ -14,9 +16,14 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
+from PIL import Image
+
+from rampart.api.arrival import SLOW_WINDOW_MIN_S
 from rampart.compat.uvicorn_httptools import LINGER_S
+from rampart.config import Settings
 from tests.support import encode, photo
 
 HEAD_S = 1.5
@@ -28,10 +35,17 @@ TRICKLING = 50
 TRICKLE_EVERY_S = 0.5
 
 
+#: Bodies that stall holding most of the worker's budget of body bytes (this module's server has a small one).
+STALLED_BODIES = 5
+STALLED_BYTES = 10_000_000
+HELD_BUDGET_BYTES = STALLED_BODIES * STALLED_BYTES + 100_000
+
+
 @pytest.fixture(scope="module")
 def timed_server(start_server):
     return start_server(RAMPART_REQUEST_HEAD_TIMEOUT_MS=str(int(HEAD_S * 1000)),
-                        RAMPART_KEEP_ALIVE_TIMEOUT_S=str(KEEP_ALIVE_S))
+                        RAMPART_KEEP_ALIVE_TIMEOUT_S=str(KEEP_ALIVE_S),
+                        RAMPART_MAX_HELD_BODY_BYTES=str(HELD_BUDGET_BYTES))
 
 
 def connect(port: int) -> socket.socket:
@@ -189,3 +203,40 @@ def test_the_rest_of_an_answered_body_and_an_endless_trailer_section_do_not_hold
     for answer, closed in results[10:]:
         assert answer.startswith(b"HTTP/1.1 431") and b"headers_too_large" in answer, bytes(answer[:300])
         assert closed <= LINGER_S + MARGIN_S, closed
+
+
+def test_bodies_that_stall_holding_the_budget_of_body_bytes_give_way_to_an_upload(timed_server):
+    """Found by a hostile-client check: connections that send most of a large body at once and then stall (or
+    trickle a byte now and then) are far ahead of the minimum body rate, so nothing cut them, and together they
+    held the worker's whole budget of body bytes: every upload got 429 until their deadlines (30 s here).
+    Now, when an upload needs their room, the stalled bodies are cut with 408, as many as it takes (one here),
+    and the upload is answered by the primary."""
+    port = int(timed_server.url.rsplit(":", 1)[1])
+    grace_s = Settings().connections.body_grace_ms / 1000
+    big = photo("chelsea")
+    upload = encode(np.asarray(Image.fromarray(big).resize((1600, 1066))), quality=95)
+    assert 100_000 < len(upload) < 2_000_000
+    head = (b"POST /classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nX-Deadline-Ms: 30000\r\n"
+            b"Content-Length: %d\r\n\r\n" % (STALLED_BYTES + 1_000_000))
+    stalling = []
+    for index in range(STALLED_BODIES):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+        sock.sendall(head + bytes([index]) * STALLED_BYTES)
+        sock.setblocking(False)
+        stalling.append(sock)
+    time.sleep(max(grace_s, SLOW_WINDOW_MIN_S) + 0.5)  # their last window brought nothing
+    for sock in stalling[3:]:
+        sock.send(b"t")  # two trickle: slow too, but less slow than the stalled
+    with httpx.Client(base_url=timed_server.url, timeout=30) as client:
+        answered = client.post("/classify", content=upload, headers={"X-Deadline-Ms": "10000"})
+    received = [bytearray() for _ in stalling]
+    closed = [closed_by_server(sock, kept) for sock, kept in zip(stalling, received)]
+    time.sleep(0.5)
+    closed = [was or closed_by_server(sock, kept) for was, sock, kept in zip(closed, stalling, received)]
+    for sock in stalling:
+        sock.close()
+    print("stalled bodies answered:", [bytes(kept[:12]) for kept in received], "closed:", closed)
+    assert answered.status_code == 200 and answered.json()["model"]["name"] == "rampart-primary", answered.text
+    cut = [index for index, kept in enumerate(received) if kept]
+    assert len(cut) == 1 and cut[0] < 3 and closed[cut[0]], (cut, closed)
+    assert received[cut[0]].startswith(b"HTTP/1.1 408") and b"request_timeout" in received[cut[0]]

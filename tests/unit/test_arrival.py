@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 
-from rampart.api.arrival import RECEIVING_PER_INFLIGHT_PLACE, InflightBound, hold_body_bytes
+import pytest
+
+from rampart.api.arrival import RECEIVING_PER_INFLIGHT_PLACE, SLOW_WINDOW_MIN_S, InflightBound, hold_body_bytes
 
 
 def answer(status: int):
@@ -134,9 +136,9 @@ def test_receivers_are_bounded_apart_and_a_request_without_a_body_is_in_flight_f
 OVER_BUDGET = 430
 
 
-def budget_bound(max_held: int, small: int):
+def budget_bound(max_held: int, small: int, rate: float = 0.0, grace_s: float = 0.0):
     """``bound_with`` of a generous in-flight limit and a budget of ``max_held`` bytes (``small``: one upload's worth)."""
-    bound, release, bodies, app = bound_with(limit=16)
+    bound, release, bodies, app = bound_with(limit=16, rate=rate, grace_s=grace_s)
     bound.over_budget, bound.max_held_bytes, bound.small_body_bytes = answer(OVER_BUDGET), max_held, small
     return bound, release, bodies, app
 
@@ -215,3 +217,73 @@ def test_a_handler_holds_bytes_through_the_scope_and_is_told_when_they_do_not_fi
     bound, answers, held_while_first_runs = asyncio.run(scenario())
     assert answers == [True, False] and held_while_first_runs == 600 and bound.held == 0
     assert hold_body_bytes({"type": "http"}, 10**12)  # no bound in front: nothing to count against
+
+
+class Stalling(Client):
+    """A body that sends ``burst`` at once, then nothing more (``trickle_every_s`` None) or one byte every
+    ``trickle_every_s``: ahead of any minimum rate for a long time, and holding its burst meanwhile."""
+
+    def __init__(self, burst: bytes, trickle_every_s: float | None = None) -> None:
+        super().__init__([burst])
+        self.trickle_every_s, self.sent_burst = trickle_every_s, False
+
+    async def receive(self) -> dict:
+        if not self.sent_burst:
+            self.sent_burst = True
+            return {"type": "http.request", "body": self.chunks[0], "more_body": True}
+        await asyncio.sleep(3600 if self.trickle_every_s is None else self.trickle_every_s)
+        return {"type": "http.request", "body": b"t", "more_body": True}
+
+
+@pytest.mark.parametrize("trickle_every_s", [None, 0.3], ids=["stalled", "trickling"])
+def test_slow_holders_give_way_when_an_upload_needs_their_room(trickle_every_s):
+    """Three bodies send 300 bytes each and then stall (or trickle a byte now and then): far ahead of the
+    100 B/s minimum, they hold 900 of the 1000 bytes. An upload of 250 needs 150 more: the slowest holder is cut
+    with 408 (the most bytes among equally slow ones), and only it; the upload is answered."""
+
+    async def scenario():
+        bound, release, bodies, app = budget_bound(max_held=1000, small=2000, rate=100.0, grace_s=0.2)
+        stalling = [Stalling(bytes([65 + n]) * 300, trickle_every_s) for n in range(3)]
+        tasks = [asyncio.ensure_future(app(scope(10_000), c.receive, c.send)) for c in stalling]
+        peak = [0]
+        watcher = asyncio.ensure_future(peak_held(bound, peak))
+        await asyncio.sleep(SLOW_WINDOW_MIN_S + 0.1)  # their last window brought (almost) nothing
+        upload = Client([b"u" * 250])
+        done = asyncio.ensure_future(app(scope(250), upload.receive, upload.send))
+        await asyncio.sleep(0.05)
+        release.set()
+        await asyncio.wait_for(done, 2.0)
+        statuses = [c.status for c in stalling]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        watcher.cancel()
+        return bound, statuses, upload, bodies, peak[0]
+
+    bound, statuses, upload, bodies, peak = asyncio.run(scenario())
+    assert upload.status == 200 and bodies == [b"u" * 250]
+    assert sorted(statuses, key=str) == [408, None, None] and bound.slow_cut_for_room == 1
+    assert peak <= 1000 and bound.held == 0 and bound.receiving == 0 and bound.inflight == 0
+
+
+def test_bodies_arriving_at_the_minimum_rate_keep_their_room_and_no_slow_one_is_cut_in_vain():
+    """A body arriving at 200 B/s (above the 100 B/s minimum) holds about 420 of 1000 bytes and a stalled one 200:
+    an upload of 650 would need more room than the stalled one holds, so nobody is cut and the upload is refused."""
+
+    async def scenario():
+        bound, release, bodies, app = budget_bound(max_held=1000, small=2000, rate=100.0, grace_s=0.2)
+        arriving = Client([b"a" * 200] + [b"a" * 20] * 40, every_s=0.1)
+        stalled = Stalling(b"s" * 200)
+        tasks = [asyncio.ensure_future(app(scope(10_000), arriving.receive, arriving.send)),
+                 asyncio.ensure_future(app(scope(10_000), stalled.receive, stalled.send))]
+        await asyncio.sleep(SLOW_WINDOW_MIN_S + 0.2)
+        upload = Client([b"u" * 650])
+        await asyncio.wait_for(app(scope(650), upload.receive, upload.send), 2.0)
+        statuses = (arriving.status, stalled.status)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return bound, statuses, upload
+
+    bound, statuses, upload = asyncio.run(scenario())
+    assert upload.status == OVER_BUDGET and statuses == (None, None) and bound.slow_cut_for_room == 0
