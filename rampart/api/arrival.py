@@ -63,6 +63,9 @@ HOLD_BODY_BYTES_KEY = "rampart.hold_body_bytes"
 LARGE_BODY_SHARE = 0.75
 #: The shortest window over which a body's recent bytes decide whether it is slow ("Slow holders give way").
 SLOW_WINDOW_MIN_S = 1.0
+#: Chunks of one body that arrive within this many seconds of each other are noted as one (``_Body.recent``
+#: holds at most about window ÷ this entries, however small the reads).
+RECENT_BUCKET_S = 0.1
 #: An ``X-Request-Start`` stamp up to this far in the future is taken as "now" (clock skew between hosts).
 FUTURE_SKEW_MS = 1000.0
 _STAMP = re.compile(r"^\s*(?:t=)?\s*(\d{1,20}(?:\.\d{1,9})?)\s*$")
@@ -133,7 +136,8 @@ class _BodyStop(BaseException):
 class _Body:
     """One request's body phase at the front: ``started`` (event loop time of its head), ``due`` (event loop
     time by which more of the body must have come; None: no rate check), ``received`` bytes so far,
-    ``recent`` (event loop time, bytes) of its chunks within the last window (``InflightBound.recent_bytes``),
+    ``recent`` (event loop time a bucket began, bytes) of its chunks within the last window, one bucket per
+    ``RECENT_BUCKET_S`` (``InflightBound._note_chunk``),
     ``held`` bytes it counts against the worker's budget (received, and whatever its handler holds through
     ``hold_body_bytes``), whether it still ``receiving`` or is ``admitted`` (in flight), ``timer``, the
     ``asyncio.Timeout`` its wait for the next chunk runs under (rescheduled to cut it), and whether it was
@@ -198,6 +202,7 @@ class InflightBound:
         self.too_slow = too_slow
         self.min_body_bytes_per_s = min_body_bytes_per_s if too_slow is not None else 0.0
         self.body_grace_s = body_grace_s
+        self.slow_window_s = max(body_grace_s, SLOW_WINDOW_MIN_S)
         self.over_budget = over_budget
         self.max_held_bytes = max_held_bytes if over_budget is not None else 0
         self.small_body_bytes = small_body_bytes
@@ -231,25 +236,35 @@ class InflightBound:
         self.held += size
         return True
 
-    def recent_bytes(self, body: _Body, now: float) -> int:
-        """The bytes ``body`` received in the last window (``body_grace_s``, at least ``SLOW_WINDOW_MIN_S``) before
-        ``now`` (event loop time); older entries leave ``body.recent``."""
-        window = max(self.body_grace_s, SLOW_WINDOW_MIN_S)
-        while body.recent and body.recent[0][0] <= now - window:
+    def _recent_bytes(self, body: _Body, now: float) -> int:
+        """The bytes ``body`` received in the last ``slow_window_s`` before ``now`` (event loop time), counting a
+        bucket whole until its end passes out of the window; older buckets leave ``body.recent``."""
+        while body.recent and body.recent[0][0] + RECENT_BUCKET_S <= now - self.slow_window_s:
             body.recent.popleft()
         return sum(size for _, size in body.recent)
+
+    def _note_chunk(self, body: _Body, now: float, size: int) -> None:
+        """Note ``size`` bytes of ``body`` received at ``now`` in ``body.recent``: added to the last bucket when it
+        began under ``RECENT_BUCKET_S`` ago (a bucket spans at most that, and counts as recent until its end
+        leaves the window: a little longer, never shorter), and buckets past the window dropped, so the log
+        stays short whatever the size of the reads."""
+        if body.recent and now - body.recent[-1][0] < RECENT_BUCKET_S:
+            body.recent[-1] = (body.recent[-1][0], body.recent[-1][1] + size)
+        else:
+            body.recent.append((now, size))
+        self._recent_bytes(body, now)
 
     def _cut_slow_holders(self, needing: _Body, excess: int) -> bool:
         """Cut the slow bodies still arriving (class doc, "Slow holders give way"), slowest first, until ``excess``
         bytes have left the budget; True when they have. Cuts none when all of them together hold less."""
         now = asyncio.get_running_loop().time()
-        window = max(self.body_grace_s, SLOW_WINDOW_MIN_S)
-        floor = max(1.0, window * self.min_body_bytes_per_s)
+        floor = max(1.0, self.slow_window_s * self.min_body_bytes_per_s)
         slow = []
         for index, other in enumerate(self._holders.values()):
-            if other is needing or not other.receiving or other.timer is None or now - other.started < window:
+            if (other is needing or not other.receiving or other.timer is None
+                    or now - other.started < self.slow_window_s):
                 continue
-            recent = self.recent_bytes(other, now)
+            recent = self._recent_bytes(other, now)
             if recent < floor:
                 slow.append((recent, -other.held, index, other))
         if sum(-negative_held for _, negative_held, _, _ in slow) < excess:
@@ -299,7 +314,7 @@ class InflightBound:
                     except TimeoutError:
                         self._stop_receiving(body)
                         self.cut += 1
-                        await (self.too_slow or self.over_budget or self.refuse)(scope, receive, send)
+                        await (self.too_slow or self.over_budget)(scope, receive, send)  # a cut for room: no rate
                         raise _BodyStop from None
                     finally:
                         body.timer = None
@@ -312,7 +327,7 @@ class InflightBound:
                         raise _BodyStop
                     body.received += size
                     if size and self.max_held_bytes:
-                        body.recent.append((asyncio.get_running_loop().time(), size))
+                        self._note_chunk(body, asyncio.get_running_loop().time(), size)
                     if self.min_body_bytes_per_s > 0:  # due when (t - grace) x rate passes what came
                         body.due = started + self.body_grace_s + body.received / self.min_body_bytes_per_s
                     if not message.get("more_body", False):

@@ -23,9 +23,10 @@ Anything libspng refuses (truncated or corrupt data, an error of any kind) retur
 None, and the caller decodes with Pillow as before, which decides what the upload's
 error is and whether ``rampart.inputs.recovery`` may repair it: this path only ever
 answers faster, never differently. A wrong CRC on a pixel-data chunk is decoded by
-both, as Pillow does (the chunks before the pixels had theirs checked by ``Image.open``). The caller uses it only
-when no shrink follows (the frame is small), so its transient memory (the
-H×W×3 array, then Pillow's copy) stays within that of Pillow's own decode.
+both, as Pillow does (the chunks before the pixels had theirs checked by
+``Image.open``). The caller uses it only when no shrink follows (the frame is
+small), so its transient memory (the H×W×3 array, then Pillow's copy) stays within
+that of Pillow's own decode.
 """
 
 from __future__ import annotations
