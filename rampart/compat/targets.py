@@ -142,6 +142,11 @@ TARGETS: tuple[Target, ...] = (
            "ca6a0254d3b3f82df87482ab6ee133f6ca5b9eea75ea0fb15042bc21162f7e3b"),
     Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "RequestResponseCycle.receive",
            "b717688fddd64e7b385e1883c4c0ba200248b2799c608ee23d73995b33001f97"),
+    # An answer started while its body is still arriving says connection: close (EarlyAnswerCycle: the cycle made
+    # in on_headers_complete takes its class; more_body from __init__ until on_message_complete; send writes the
+    # header when keep_alive is false).
+    Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "RequestResponseCycle.__init__",
+           "5a7283a0be2bf49f60c083a7c5f45b15c1c78c3026d678354426dcafc2e24300"),
     Target("uvicorn_httptools.stamp_arrivals", _HTTPTOOLS, "HttpToolsProtocol.on_message_begin",
            "8b027723aca379722d73c79e47b4d65ea5bf8c977a6706939a00209b7ae5c912"),
     # A write refused because the client's connection closed before uvicorn marked the cycle disconnected.

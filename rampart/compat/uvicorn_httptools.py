@@ -61,7 +61,10 @@ arrive between the last chunk's size line and the end of the message) and past `
 answers 431 ``headers_too_large`` and closes. And the rest of a body whose request was already answered
 (``/livez`` answered, its declared body still trickling): each byte cancelled uvicorn's keep-alive
 timer, so the connection stayed open for as long as the client sent; now the connection is closed after
-such an answer, the rest of the body read and dropped for at most ``LINGER_S``.
+such an answer, the rest of the body read and dropped for at most ``LINGER_S``. Such an answer says
+``connection: close`` in its head (``EarlyAnswerCycle``): without it a keep-alive client (httpx) sent its
+next request on the connection as it closed, and got no answer ("Server disconnected without sending a
+response"; a 503 answered during warm-up before the upload had all arrived).
 
 **First byte.** ``stamp_arrivals()`` notes when each request's first byte arrived in its
 ASGI scope (``rampart.api.arrival.ARRIVAL_KEY``), where the deadline clock starts.
@@ -86,7 +89,10 @@ from rampart.telemetry import metrics
 from rampart.telemetry.accesslog import log_request
 from rampart.errors import HeadersTooLarge, MalformedRequest, RampartError
 
-__all__ = ["MAX_HEAD_BYTES", "MAX_PIPELINED_REQUESTS", "HeadLimitedProtocol", "limit_request_heads", "stamp_arrivals"]
+__all__ = [
+    "MAX_HEAD_BYTES", "MAX_PIPELINED_REQUESTS", "EarlyAnswerCycle", "HeadLimitedProtocol", "limit_request_heads",
+    "stamp_arrivals",
+]
 
 #: Longest request head (request line, headers, their line ends) accepted, in bytes.
 #: AWS ALB allows 64 KiB in all; nginx 4 × 8 KiB lines by default, Node.js 16 KiB.
@@ -101,6 +107,30 @@ _END_OF_HEAD = b"\r\n\r\n"
 #: took the API worker from 106 MiB to about 1 GB and stalled its event loop for seconds. Past this many the
 #: rest of the read is not parsed, nothing more is read, and the connection closes after the queued answers.
 MAX_PIPELINED_REQUESTS = 32
+
+
+class EarlyAnswerCycle(RequestResponseCycle):
+    """uvicorn's request-response cycle for ``HeadLimitedProtocol``: an answer that starts while its request's
+    body is still arriving says ``connection: close``, and ends the connection after it.
+
+    An app may answer before it has read the whole body (a 503 during warm-up, a 429, ``/livez``). The
+    protocol then closes the connection after the answer (lingering, ``LINGER_S``: closing at once with
+    unread bytes makes the kernel reset the connection). The head must say so, or a keep-alive client
+    takes the connection for reusable and sends its next request into the close. ``on_early_answer`` (the
+    protocol's, set when the cycle is made) is called once, when such an answer's head is written.
+    """
+
+    on_early_answer = None  # set by HeadLimitedProtocol.on_headers_complete
+
+    async def send(self, message) -> None:
+        if self.response_started or not self.more_body:
+            await super().send(message)
+            return
+        self.keep_alive = False  # uvicorn writes ``connection: close`` in the head...
+        await super().send(message)
+        self.keep_alive = True  # ...and does not close at the answer's end: the protocol closes after LINGER_S
+        if self.response_started:
+            self.on_early_answer()
 
 
 class _PipelineTooDeep(Exception):
@@ -143,6 +173,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._chunk_without_body = False  # a chunk's size line was parsed and none of its data yet: the last chunk's
         self._trailer_bytes = 0  # bytes of reads that ended inside the trailer section of this message
         self._previous_cycle: RequestResponseCycle | None = None  # the cycle before the newest (self.cycle)
+        self._answered_early = False  # the answer in progress started while its request's body was arriving
         self.timeout_keep_alive = self.keep_alive_timeout_s
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -209,6 +240,9 @@ class HeadLimitedProtocol(HttpToolsProtocol):
             return
         self._previous_cycle = self.cycle  # the request before this one: being answered, or queued
         super().on_headers_complete()
+        if self.cycle is not self._previous_cycle:  # uvicorn made this request's cycle (its task not yet run)
+            self.cycle.__class__ = EarlyAnswerCycle
+            self.cycle.on_early_answer = self._close_after_answer
         if len(self.pipeline) > MAX_PIPELINED_REQUESTS:
             self._stop_pipelining()
 
@@ -248,13 +282,24 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._in_head, self._head_bytes, self._head_tail = True, 0, b""
         self._chunk_without_body, self._trailer_bytes = False, 0
 
+    def _close_after_answer(self) -> None:
+        """``EarlyAnswerCycle``: the answer being sent started while its request's body was still arriving,
+        and said ``connection: close``."""
+        self._answered_early = True
+
     def on_response_complete(self) -> None:
-        """uvicorn's end of a response; when the request it answered is still arriving (its head parsed,
-        its message not complete, nothing queued after it), the connection is closed as ``_linger_close``
-        does: the client sees the answer end, and the rest of its body no longer holds the connection."""
+        """uvicorn's end of a response; when the answer started while its request's body was still arriving
+        (``EarlyAnswerCycle``: it said ``connection: close``), or that request is still arriving now (its head
+        parsed, its message not complete, nothing queued after it), the connection is closed as
+        ``_linger_close`` does: the client sees the answer end, and the rest of its body no longer holds the
+        connection. Requests queued after an early answer are not answered (the client was told to close)."""
         body_still_arriving = not self._in_head and not self.pipeline and not self._refused
+        close = self._answered_early or body_still_arriving
+        if self._answered_early:
+            self._answered_early = False
+            self.pipeline.clear()
         super().on_response_complete()
-        if body_still_arriving and not self.transport.is_closing():
+        if close and not self.transport.is_closing():
             self._linger_close()
 
     def _cancel_head_timer(self) -> None:

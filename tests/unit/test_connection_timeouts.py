@@ -16,6 +16,7 @@ import json
 import socket
 import time
 
+import httpx
 import pytest
 import uvicorn
 
@@ -287,12 +288,14 @@ def test_a_trailer_section_past_the_head_limit_is_answered_431_and_closed(field)
 def test_the_rest_of_an_answered_request_does_not_hold_its_connection(request_start):
     """An app that answers without reading the body (``/livez``, a 404), and a client that keeps sending the
     rest of it a byte at a time: each byte cancelled uvicorn's keep-alive timer, and the connection stayed open
-    for as long as the client sent. The answer arrives whole, and the connection is closed ``LINGER_S`` after it."""
+    for as long as the client sent. The answer arrives whole, says ``connection: close``, and the connection is
+    closed ``LINGER_S`` after it."""
 
     async def test(port: int) -> None:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(request_start)
-        assert (await answered(reader)).startswith(b"HTTP/1.1 200")
+        head = await answered(reader)
+        assert head.startswith(b"HTTP/1.1 200") and b"connection: close" in head.lower(), head
 
         async def trickle() -> None:
             while True:
@@ -336,3 +339,25 @@ def test_a_malformed_request_behind_pipelined_ones_leaves_their_answers_first_an
 
     serving(test, slow_hello)
     assert "ASGI" not in capfd.readouterr().err
+
+
+def test_a_keep_alive_client_answered_before_its_upload_arrived_sends_its_next_request_on_a_new_connection():
+    """An app that answers before the body has all arrived (a 503 while warming up, a 429): the connection is
+    closed after the answer, and the answer said so. Without ``connection: close`` httpx kept the connection
+    for its next request, which met the close: "Server disconnected without sending a response"."""
+
+    async def test(port: int) -> None:
+        async def upload():  # the body in pieces, the app answering after the first
+            for _ in range(4):
+                yield b"x" * 16384
+                await asyncio.sleep(0.05)
+
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=10) as client:
+            for _ in range(3):
+                early = await client.post("/", content=upload())
+                assert early.status_code == 200 and early.headers["connection"] == "close", early.headers
+                await asyncio.sleep(0.05)  # the close has reached the client's pool
+                assert (await client.get("/")).status_code == 200
+        assert len(FastProtocol.made) == 1 + 3  # each early answer ended its connection (a GET's is kept alive)
+
+    serving(test)
