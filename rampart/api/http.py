@@ -45,6 +45,7 @@ __all__ = [
     "parse_deadline",
     "parse_priority",
     "read_body",
+    "read_body_once",
     "body_chunks",
     "within_deadline",
     "is_multipart",
@@ -181,6 +182,24 @@ async def read_body(request: Request, limit: int, deadline: Deadline) -> bytes:
 
     async def collect() -> bytes:
         return b"".join([chunk async for chunk in body_chunks(request, limit)])
+
+    return await within_deadline(collect(), deadline)
+
+
+async def read_body_once(request: Request, limit: int, deadline: Deadline) -> bytearray:
+    """``read_body``'s body, gathered into one ``bytearray`` as it arrives, so that it is never held twice:
+    ``read_body`` keeps the chunks and joins them at the end, which holds the body twice for a moment
+    (``bytes`` cannot be filled in place). For a large body read by code that takes a ``bytearray``
+    (an ``/infer`` body: up to the batch cap). Growth is amortised (glibc extends a large buffer with
+    ``mremap``, without a copy); nothing is allocated for a declared ``Content-Length`` before its bytes
+    arrive. Raises what ``read_body`` raises.
+    """
+
+    async def collect() -> bytearray:
+        body = bytearray()
+        async for chunk in body_chunks(request, limit):
+            body += chunk
+        return body
 
     return await within_deadline(collect(), deadline)
 

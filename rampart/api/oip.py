@@ -825,7 +825,7 @@ async def read_infer_body(request: Request, limit: int, deadline: Deadline, sett
     if request.headers.get(HEADER_LENGTH) is None:
         limit = min(limit, MAX_JSON_BYTES)
     if decompressor is None:
-        return await http.read_body(request, limit, deadline)
+        return await http.read_body_once(request, limit, deadline)
     try:
         return await http.within_deadline(_inflated(http.body_chunks(request, limit), decompressor, limit,
                                                     functools.partial(hold_body_bytes, request.scope)), deadline)

@@ -30,6 +30,7 @@ from bench.perf_analyzer import make_inputs
 from rampart.api import http, oip
 from rampart.api.app import refuse_before_admission
 from rampart.config import Settings
+from rampart.overload.deadline import Deadline
 from rampart.errors import BodyTimeout, EmptyBody, InvalidParameter, PayloadTooLarge, RampartError
 from tests.support import encode, photo
 from tests.support.oip import DEADLINE_MS, HOSTILE, answer, bad_request, image_input, image_json, pixels_json, texts
@@ -377,6 +378,34 @@ def test_a_json_part_over_its_byte_cap_is_refused_before_it_is_sliced_out_of_the
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, peak  # no copy of the 8 MiB
+
+
+def test_an_identity_body_is_held_once_while_it_is_read():
+    """A plain (not compressed) ``/infer`` body of 16 MiB arriving in 64 KiB chunks: it was kept as a list of
+    its chunks and joined at the end, so the worker held it twice for a moment (32 MiB for 16 counted against
+    the body budget). Read into one buffer, it is held once."""
+    size, chunk = 16 << 20, 64 << 10
+    sent = 0
+
+    async def receive() -> dict:  # a fresh chunk each time, as from the network
+        nonlocal sent
+        sent += chunk
+        return {"type": "http.request", "body": bytes(chunk), "more_body": sent < size}
+
+    scope = {"type": "http", "method": "POST", "path": "/v2/models/rampart/infer", "query_string": b"",
+             "headers": [(b"content-length", str(size).encode()), (oip.HEADER_LENGTH.lower().encode(), b"2")]}
+
+    async def read() -> tuple[bytes | bytearray, int]:  # the peak taken before asyncio.run's own teardown
+        body = await oip.read_infer_body(Request(scope, receive), size, Deadline(DEADLINE_MS), Settings(), lambda: 1.0)
+        return body, tracemalloc.get_traced_memory()[1]
+
+    tracemalloc.start()
+    try:
+        body, peak = asyncio.run(read())
+    finally:
+        tracemalloc.stop()
+    assert len(body) == size and not any(body[::chunk])
+    assert peak < 1.3 * size, peak
 
 
 def test_inflating_counts_each_slice_against_the_budget_and_stops_when_one_does_not_fit():
