@@ -3,14 +3,17 @@
 ``python -m bench.ab --setting RAMPART_RUNNER_COALESCING --arms true,false [--rounds 2] [--body png_260]
 [--connections 16] [--round-s 8] [--api-workers 1] [--out bench_results] [--quick]`` imports the
 near-free model (``bench.ceiling``: a model that costs almost nothing, so what is measured is
-serving), then, ``--rounds`` times, starts one Rampart server per arm in turn (A, B, A, B, …:
-drift of a shared host falls on both arms alike) with the setting at that arm's value, warms it
+serving), then, ``--rounds`` times, starts one Rampart server per arm in turn (A, B, B, A, A, B, …:
+drift of a shared host falls on both arms alike, and neither arm is always the first of its round) with the setting at that arm's value, warms it
 up and measures one closed-loop round (``bench.ceiling.measure_round``: the CPU of every server
 process by role over the round, divided by the answered requests).
 
 Writes ``ab-<setting>.json`` (every round, and per arm the median over rounds of each role's CPU
-µs per request, the requests per second and P99) and ``ab-<setting>.png`` (bars per role and
-arm). A round that is not clean (an answer that is not a full 200) is marked; its CPU still
+µs per request, the requests per second and P99; and ``paired``: each later arm's CPU per request
+divided by the first arm's in the same round, per role, with the median, least and greatest ratio
+over rounds) and ``ab-<setting>.png`` (bars per role and arm). Read the paired ratios when the host
+drifts: two servers started one after the other share its state, rounds minutes apart may not (on
+the 2-core host the total moved by 15% from the first round to the last of one run). A round that is not clean (an answer that is not a full 200) is marked; its CPU still
 counts what the server spent.
 """
 
@@ -52,7 +55,7 @@ def ab_runs(out: Path, setting: str, arms: list[str], rounds: int, body_name: st
     body, _ = BODIES[body_name]()
     runs: list[dict] = []
     for index in range(rounds):
-        for arm in arms:
+        for arm in (arms if index % 2 == 0 else arms[::-1]):  # A, B, then B, A: neither arm always starts
             label = f"ab-{setting.lower()}-{arm}-{index}"
             env = {**private_bentoml_home(out / f"{label}-home", store), "RAMPART_PRIMARY_MODEL": tag,
                    "RAMPART_FALLBACK_MODEL": tag, "RAMPART_API_WORKERS": str(api_workers),
@@ -81,7 +84,29 @@ def ab_runs(out: Path, setting: str, arms: list[str], rounds: int, body_name: st
             "clean_rounds": sum(r["clean"] for r in mine),
         }
     return {"setting": setting, "arms": arms, "rounds": rounds, "body": body_name, "connections": connections,
-            "round_s": round_s, "api_workers": api_workers, "runs": runs, "summary": summary}
+            "round_s": round_s, "api_workers": api_workers, "runs": runs, "summary": summary,
+            "paired": paired_ratios(runs, arms)}
+
+
+def paired_ratios(runs: list[dict], arms: list[str]) -> dict[str, dict[str, dict[str, float | list[float]]]]:
+    """Per arm after the first: ``{role: {"ratios": [...], "median", "min", "max"}}`` of its CPU µs per request
+    over the first arm's in the same round (``runs``: ``ab_runs``' rounds, each with ``arm``, ``round`` and
+    ``cpu_us_per_request``), for every role and ``total``; a round where the first arm spent nothing in a
+    role gives no ratio for it. Rounds that lack either arm are skipped."""
+    by_round: dict[int, dict[str, dict]] = {}
+    for run in runs:
+        by_round.setdefault(run["round"], {})[run["arm"]] = run["cpu_us_per_request"]
+    out: dict[str, dict] = {}
+    for arm in arms[1:]:
+        roles: dict[str, dict] = {}
+        for role in (*ROLES, "total"):
+            ratios = [round(rounds[arm][role] / rounds[arms[0]][role], 3) for _, rounds in sorted(by_round.items())
+                      if arm in rounds and arms[0] in rounds and rounds[arms[0]][role] > 0]
+            if ratios:
+                roles[role] = {"ratios": ratios, "median": round(statistics.median(ratios), 3),
+                               "min": min(ratios), "max": max(ratios)}
+        out[arm] = roles
+    return out
 
 
 def plot(report: dict, path: Path) -> None:
@@ -132,7 +157,7 @@ def main(argv: list[str] | None = None) -> dict:
     name = f"ab-{args.setting.lower()}"
     (args.out / f"{name}.json").write_text(json.dumps(report, indent=2))
     plot(report, args.out / f"{name}.png")
-    print(json.dumps(report["summary"], indent=2))
+    print(json.dumps({"summary": report["summary"], "paired": report["paired"]}, indent=2))
     return report
 
 

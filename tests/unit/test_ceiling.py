@@ -96,3 +96,23 @@ def test_decodes_are_measured_in_alternating_rounds_whose_ratio_holds():
     assert order[:12] == ["one"] * 6 + ["two"] * 6  # a warm-up and 5 calls each, then the other's turn
     ratios = sorted(two / one for one, two in zip(rounds["one"], rounds["two"]))
     assert 1.4 < ratios[len(ratios) // 2] < 2.8, ratios
+
+
+def test_ab_pairs_each_arm_with_the_first_in_the_same_round():
+    """A host that slows down from round to round: each arm's medians drift with it, its paired ratios do not."""
+    from bench.ab import paired_ratios
+    from bench.ceiling import ROLES
+
+    def run(arm: str, index: int, api: float) -> dict:
+        cpu = {role: 100.0 * (1 + index) for role in ROLES}
+        cpu.update(api=api, supervisor=0.0)
+        return {"arm": arm, "round": index, "cpu_us_per_request": {**cpu, "total": sum(cpu.values())}}
+
+    drift = [1.0, 1.3, 1.6]
+    runs = [run(arm, i, 2000.0 * d * (0.9 if arm == "b" else 1.0)) for i, d in enumerate(drift) for arm in "ab"]
+    runs.append(run("a", 3, 5000.0))  # a round the other arm never ran: skipped
+    paired = paired_ratios(runs, ["a", "b"])
+    assert set(paired) == {"b"}
+    assert paired["b"]["api"] == {"ratios": [0.9, 0.9, 0.9], "median": 0.9, "min": 0.9, "max": 0.9}
+    assert paired["b"]["decode_pool"]["median"] == 1.0
+    assert "supervisor" not in paired["b"]  # nothing spent by the first arm: no ratio
