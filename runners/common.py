@@ -15,6 +15,7 @@ request loses its model.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import threading
 import time
@@ -33,7 +34,9 @@ from inference.timing_cache import TimingCache, TimingKey
 from rampart.api.lifecycle import RUNNER_EXIT_MARGIN_S, intercept_exit_signals, wait_for_entry_workers
 from rampart.api.lifecycle import logger as lifecycle_log
 from rampart.compat import check_versions
+from rampart.api.arrival import route_at_front
 from rampart.compat.bentoml_batching import dispatch_when_free, wake_on_release
+from rampart.compat.bentoml_runner_calls import lean_batch_routes, lean_calls
 from rampart.compat.bentoml_private import debug_mode
 from rampart.config import Settings, default_cpu_threads, get_settings
 from rampart.cores import available_cores, cpu_quota_cores, place_this_process, usable_cores
@@ -101,6 +104,9 @@ class BucketedRunner:
         ``outlive_entry_service``).
         """
         place_this_process(role, get_settings(), nice)
+        if get_settings().runners.route == "lean":  # batch calls answered under BentoML's app, same bytes
+            route_at_front(functools.partial(lean_batch_routes,
+                                             tracing_excluded=bool(runner_tracing_config(get_settings()))))
         self.max_deadline_ms = max_deadline_ms
         self.role = role
         metrics.init_runner_series(role)
@@ -171,7 +177,9 @@ class BucketedRunner:
         (the cache's files this start read or wrote: the engine choice's, then the warm-up's), ``compute_batch_size``, ``warmed_batch_sizes``, ``ttl_dropped`` and ``oom_splits`` (counts),
         ``cores``: the CPU ids this runner may run on (``rampart.cores``), and ``engine``: the engine it
         computes on and why (``inference.engine_choice.EngineChoice.as_stats``: engine, mode, reason,
-        and of each engine measured ms_per_image, compute_batch_size and ms_per_image_by_batch_size)."""
+        and of each engine measured ms_per_image, compute_batch_size and ms_per_image_by_batch_size), and
+        ``lean_calls``: batch calls answered under BentoML's app, by route (``rampart.compat.bentoml_runner_calls``;
+        none with ``RAMPART_RUNNER_ROUTE=bentoml``)."""
         return {
             "cores": usable_cores(),
             "engine": self.engine_choice.as_stats(),
@@ -183,6 +191,7 @@ class BucketedRunner:
             "compute_batch_size": self.compute_batch_size,
             "ttl_dropped": self.ttl_dropped,
             "oom_splits": getattr(self.engine, "oom_splits", 0),
+            "lean_calls": lean_calls(),
         }
 
     def __is_ready__(self) -> bool:

@@ -409,16 +409,38 @@ def bound_inflight(limit: Callable[[], int], refuse: Callable[[dict, Callable, C
     return _bound
 
 
+#: Gives, for the app uvicorn serves, the ASGI apps that answer some paths in front of it (``route_at_front``).
+_routes_of: Callable[[Callable], dict[str, Callable] | None] | None = None
+
+
+def route_at_front(routes_of: Callable[[Callable], dict[str, Callable] | None] | None) -> None:
+    """Answer some paths in front of the app uvicorn serves: ``routes_of(app)`` gives ``{path: ASGI app}`` for that
+    app (asked at each request until it gives a dict; None means "not yet"), and a request to one of those paths
+    goes to its ASGI app instead of ``app`` (behind the in-flight bound, if any). None removes the routes of
+    apps that have not asked yet. A runner answers its batch calls so
+    (``rampart.compat.bentoml_runner_calls``)."""
+    global _routes_of
+    _routes_of = routes_of
+
+
 def behind_bound(app: Callable) -> Callable:
     """``app`` (an ASGI app) behind whatever in-flight bound ``bound_inflight`` has installed when each request
-    arrives (none: ``app`` itself answers). ``rampart.compat.uvicorn_app`` puts the app uvicorn serves behind it,
-    whichever protocol uvicorn runs (httptools or h11)."""
+    arrives (none: ``app`` itself answers), with the paths ``route_at_front`` gives answered in front of it.
+    ``rampart.compat.uvicorn_app`` puts the app uvicorn serves behind it, whichever protocol uvicorn runs
+    (httptools or h11)."""
+    routes: dict[str, Callable] | None = None
 
     async def front(scope, receive, send) -> None:
+        nonlocal routes
+        target = app
+        if routes is None and _routes_of is not None:
+            routes = _routes_of(app)
+        if routes:
+            target = routes.get(scope.get("path"), app)
         bound = _bound
         if bound is None:
-            return await app(scope, receive, send)
-        return await bound.wrap(app)(scope, receive, send)
+            return await target(scope, receive, send)
+        return await bound.wrap(target)(scope, receive, send)
 
     front._rampart_front = True
     return front

@@ -17,6 +17,8 @@ fails on a private import anywhere else):
   write refused because the client's connection closed, under ``rampart.hangup``).
 - ``bentoml_private``: private BentoML names used as they are, patched nowhere (``debug_mode``,
   ``service_app_factory``).
+- ``bentoml_runner_calls``: a runner's batch calls answered in front of BentoML's app with BentoML's own
+  parse, dispatch and answer, patching nothing (``lean_batch_routes``; ``runners.common`` installs it).
 - ``bentoml_wire``: BentoML's runner-call wire format built and read with BentoML's own objects,
   patched nowhere (``RunnerWire``, ``runner_address``), under ``rampart.runner_client``.
 - ``targets``: each patched upstream object with the SHA-256 of its source at the pinned version.

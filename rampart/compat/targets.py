@@ -74,6 +74,7 @@ _TRAFFIC = "bentoml._internal.server.http.traffic"
 _INSTRUMENTS = "bentoml._internal.server.http.instruments"
 _HTTPTOOLS = "uvicorn.protocols.http.httptools_impl"
 _HTTP_CLIENT = "_bentoml_impl.client.http"
+_APP = "_bentoml_impl.server.app"
 
 #: Every upstream object a patch depends on, with its source hash at the pinned versions.
 TARGETS: tuple[Target, ...] = (
@@ -158,6 +159,33 @@ TARGETS: tuple[Target, ...] = (
            "e7e76bfeb3573aea514f1a64154f6f1a99c7a2a8ff94f62cf95a96b83d04413b"),
     Target("uvicorn_cycle.connection_closed", "uvicorn.protocols.http.h11_impl", "RequestResponseCycle.send",
            "911ac3ec8826c66bf2f5aa1fb5f2550eb40a2352713033a57af6ad12f2d54de1"),
+    # A runner's batch calls answered under BentoML's app (bentoml_runner_calls): the steps of its endpoint (parse,
+    # batch_infer, answer and headers, the errors), the routes and middleware stack it recognises, the metrics it
+    # records through BentoML's own middleware instance.
+    Target("bentoml_runner_calls.lean_batch_routes", _APP, "ServiceAppFactory.api_endpoint",
+           "bb5c915a262dfc59e4e7d01c59191067147b7b8101b9f32d89c8419453ae014d"),
+    Target("bentoml_runner_calls.lean_batch_routes", _APP, "ServiceAppFactory.api_endpoint_wrapper",
+           "1d06f550c70e9698e988383e540a00dcc389337cdc58bbd7fa3ddebf5c84d850"),
+    Target("bentoml_runner_calls.lean_batch_routes", _APP, "ServiceAppFactory.batch_infer",
+           "7762fbcf351231a0a2d8be38cdc7885a9abf554e2a21ffaed779be4f2d78e917"),
+    Target("bentoml_runner_calls.lean_batch_routes", _APP, "ServiceAppFactory.routes",
+           "f395f8e8a31a078b14aad8ef2e9d5969a79612d197925672b1f6fc2f9434476a"),
+    Target("bentoml_runner_calls.lean_batch_routes", _APP, "ServiceAppFactory._add_response_headers",
+           "330553c60caa54ac74e1240b40a06a1e0d7b58999768e7174ac283ed8923c4e7"),
+    Target("bentoml_runner_calls.lean_batch_routes", _APP, "ServiceAppFactory.middlewares",
+           "f5a8c8a75d40a63816792ea8c063b489fdd59494c0598ac42c0f12fee0ef7261"),
+    Target("bentoml_runner_calls.lean_batch_routes", "bentoml._internal.server.base_app", "BaseAppFactory.middlewares",
+           "f9feb08b021bc94a32b7eeab51efacd6edfd6f3ed1b3040c7b51e5629acc242f"),
+    Target("bentoml_runner_calls.lean_batch_routes", "_bentoml_sdk.io_models", "IOMixin.to_http_response",
+           "e7b1f2bcdfc2b084b5494b49f2f28dd6d847870e9aede361b6ac8a4c546dd77f"),
+    Target("bentoml_runner_calls.lean_batch_routes", "_bentoml_sdk.io_models", "IOMixin.from_http_request",
+           "877c4bc331b03a2a3f12eafe14138fa13e98e548b173255df0502bf6820262ff"),
+    Target("bentoml_runner_calls.lean_batch_routes", "_bentoml_impl.serde", "Serde.parse_request",
+           "22b291761f005892e49a911ee2a82e7985ab940728a2fa7114a977d9db587700"),
+    Target("bentoml_runner_calls.lean_batch_routes", "_bentoml_impl.serde", "PickleSerde",
+           "28260e17b791ac72def6312794591c4d3afa6748d9460f1036bc3ccd097a6c91"),
+    Target("bentoml_runner_calls.lean_batch_routes", _INSTRUMENTS, "RunnerTrafficMetricsMiddleware.__call__",
+           "048dcbd5af3f43785785fce4b93bc1f020cf812fbf8c22ab7985919f692c678a"),
     Target("uvicorn_app.serve_behind_bound", "uvicorn.config", "Config.load",
            "18b38398dc8c3478e90b9ef737d1f21a49f0303af365c2b0aaa81e0ab8f4c335"),
     # Not patched: the runner calls' wire format, which rampart.runner_client builds and reads with these.

@@ -287,3 +287,34 @@ def test_bodies_arriving_at_the_minimum_rate_keep_their_room_and_no_slow_one_is_
 
     bound, statuses, upload = asyncio.run(scenario())
     assert upload.status == OVER_BUDGET and statuses == (None, None) and bound.slow_cut_for_room == 0
+
+
+def test_front_routes_answer_their_paths_and_are_asked_for_until_the_app_can_tell(monkeypatch):
+    """``route_at_front``: the app's own routes are not known at first (``None``: asked again at the next request);
+    then a request to a given path goes to its front route, any other to the app."""
+    from rampart.api import arrival
+
+    answered: list[str] = []
+    asked: list[object] = []
+
+    def by(name: str):
+        async def app(scope, receive, send) -> None:
+            answered.append(name)
+        return app
+
+    served = by("app")
+
+    def routes_of(app):
+        asked.append(app)
+        return None if len(asked) < 3 else {"/square": by("front")}
+
+    monkeypatch.setattr(arrival, "_bound", None)
+    arrival.route_at_front(routes_of)
+    try:
+        front = arrival.behind_bound(served)
+        for path in ("/square", "/square", "/square", "/stats", "/square"):
+            asyncio.run(front({"type": "http", "path": path}, None, None))
+    finally:
+        arrival.route_at_front(None)
+    assert answered == ["app", "app", "front", "app", "front"]
+    assert asked == [served] * 3  # asked until it could tell, then never again

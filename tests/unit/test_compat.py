@@ -29,7 +29,7 @@ PATCHES = {
     "bentoml_server.cache_io_media_types", "bentoml_batching.dispatch_when_free", "bentoml_batching.wake_on_release",
     "circus_arbiter.keep_runner_sockets_until_stopped", "uvicorn_httptools.limit_request_heads",
     "uvicorn_httptools.stamp_arrivals", "uvicorn_app.serve_behind_bound", "bentoml_wire.RunnerWire",
-    "bentoml_wire.runner_address", "uvicorn_cycle.connection_closed",
+    "bentoml_wire.runner_address", "uvicorn_cycle.connection_closed", "bentoml_runner_calls.lean_batch_routes",
 }
 
 

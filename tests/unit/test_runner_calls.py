@@ -1,0 +1,182 @@
+"""``rampart.compat.bentoml_runner_calls``: a runner's batch calls answered under BentoML's app, byte for byte as
+BentoML's app answers them.
+
+A small runner service (a batchable API over ``RunnerItem``, deterministic answers) is served in process by
+BentoML's own ``ServiceAppFactory``, with Rampart's patches applied as in every runner; each request is sent
+once through BentoML's whole app and once through the lean route, and the two answers (status, headers, body)
+must be equal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import pickle
+import threading
+import time
+
+import bentoml
+import numpy as np
+import pytest
+
+import service  # noqa: F401 - Rampart's patches, as every runner process applies them
+from _bentoml_impl.serde import PickleSerde
+from rampart.compat.bentoml_private import service_app_factory
+from rampart.compat.bentoml_runner_calls import PICKLE_MEDIA_TYPE, lean_batch_routes
+from rampart.config import Settings
+from runners.common import RunnerItem, RunnerResult, runner_tracing_config
+
+
+@bentoml.service(name="rampart_lean_route_check", workers=1, threads=1, traffic={"timeout": 30},
+                 logging={"access": {"enabled": False}}, **runner_tracing_config(Settings()))
+class Tiny:
+    """Answers each item with its pixels' mean over three classes; an item named ``boom`` fails the batch.
+    Configured as ``runners.common.define_runner`` configures a runner (timeout, no access log, no spans)."""
+
+    @bentoml.api(route="/square", batchable=True, max_batch_size=8, max_latency_ms=1000)
+    def square(self, items: list[RunnerItem]) -> list[RunnerResult]:
+        if any(item.request_id == "boom" for item in items):
+            raise ValueError("boom")
+        return [RunnerResult(probs=np.full(3, item.pixels.mean(), np.float32), batch_size=len(items))
+                for item in items]
+
+
+SERDE = PickleSerde()
+
+
+def call_body(names: list[str]) -> tuple[bytes, dict[str, str]]:
+    """A call as BentoML's proxy (and ``rampart.runner_client``) sends it: the API's input model, pickled."""
+    items = [RunnerItem(pixels=np.full((4, 4, 3), i, np.uint8), deadline_epoch_s=time.time() + 60, request_id=name)
+             for i, name in enumerate(names)]
+    payload = SERDE.serialize_model(Tiny.apis["square"].input_spec.from_inputs(items))
+    return b"".join(bytes(part) for part in payload.data), {"content-type": PICKLE_MEDIA_TYPE, **payload.headers}
+
+
+def bad_body() -> tuple[bytes, dict[str, str]]:
+    """A pickled input whose item lacks ``pixels``: BentoML's validation refuses it."""
+    payload = SERDE.serialize_value({"items": [{"deadline_epoch_s": 1.0}]})
+    return b"".join(bytes(part) for part in payload.data), {"content-type": PICKLE_MEDIA_TYPE, **payload.headers}
+
+
+async def request(app, body: bytes, headers: dict[str, str], method: str = "POST") -> tuple[int, list, bytes]:
+    """(status, sorted headers, body) of one ASGI request to ``/square``."""
+    messages = []
+    sent = False
+
+    async def receive() -> dict:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(3600)
+
+    async def send(message: dict) -> None:
+        messages.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": "/square", "raw_path": b"/square", "query_string": b"", "root_path": "", "state": {},
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 3000),
+             "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
+    await app(scope, receive, send)
+    return (messages[0]["status"], sorted(messages[0]["headers"]),
+            b"".join(m.get("body", b"") for m in messages[1:]))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``served(check)`` runs ``await check(app)`` against BentoML's app of ``Tiny``, started (its lifespan) once per
+    process on an event loop of its own: BentoML's metrics middleware registers its series once per process."""
+    os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(tmp_path_factory.mktemp("metrics")))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def run(coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, loop).result(60)
+
+    Tiny.inject_config()
+    app = service_app_factory()(Tiny, is_main=False, enable_metrics=True)()
+    lifespan = app.router.lifespan_context(app)
+    run(lifespan.__aenter__())
+    run(request(app, *call_body(["warm"])))  # BentoML's app builds its middleware stack at its first request
+    yield lambda check: run(check(app))
+    run(lifespan.__aexit__(None, None, None))
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+def test_lean_routes_answer_as_bentomls_app_byte_for_byte(served):
+    async def check(app) -> None:
+        routes = lean_batch_routes(app)
+        assert set(routes) == {"/square"}
+        lean = routes["/square"]
+        for case in (call_body(["a"]), call_body(["a", "b", "c"]), call_body(["a", "boom"]), bad_body()):
+            expected = await request(app, *case)
+            assert await request(lean, *case) == expected
+        ok = await request(lean, *call_body(["a", "b"]))
+        assert ok[0] == 200 and [r.probs[0] for r in _results(ok)] == [0.0, 1.0]
+        assert (await request(lean, *call_body(["boom"])))[0] == 500
+        assert (await request(lean, *bad_body()))[0] == 400
+
+    served(check)
+
+
+def test_other_requests_and_other_stacks_go_to_bentomls_app(served):
+    async def check(app) -> None:
+        body, headers = call_body(["a"])
+        lean = lean_batch_routes(app)["/square"]
+        as_json = (b'{"items": []}', {"content-type": "application/json"})
+        assert await request(lean, *as_json) == await request(app, *as_json)  # not BentoML's pickle: its app answers
+        assert await request(lean, body, headers, "PUT") == await request(app, body, headers, "PUT")
+        assert lean_batch_routes(app, tracing_excluded=False) == {}  # its spans wanted: BentoML's app traces them
+        wrapped = copy.copy(app)
+        wrapped.middleware_stack = _Unknown(app.middleware_stack)
+        assert lean_batch_routes(wrapped) == {}  # a middleware it does not know (an access log, a limit)
+        wrapped.middleware_stack = None
+        assert lean_batch_routes(wrapped) is None  # before BentoML's app has built its stack: ask again later
+
+    served(check)
+
+
+def test_a_lean_call_is_counted_in_bentomls_runner_metrics(served):
+    async def check(app) -> None:
+        body, headers = call_body(["a"])
+        lean = lean_batch_routes(app)["/square"]
+        counted = _request_total(lean)
+        before = counted.get()
+        await request(lean, body, headers)
+        assert counted.get() == before + 1
+
+    served(check)
+
+
+class _Unknown:
+    """A middleware BentoML's default runner stack does not have."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        await self.app(scope, receive, send)
+
+
+def _results(answer: tuple[int, list, bytes]) -> list[RunnerResult]:
+    headers = dict((k.decode(), v.decode()) for k, v in answer[1])
+    lengths = [int(n) for n in headers["buffer-lengths"].split(",")]
+    data = memoryview(answer[2])
+    buffers, start = [], lengths[0]
+    for length in lengths[1:]:
+        buffers.append(pickle.PickleBuffer(data[start:start + length]))
+        start += length
+    return [RunnerResult.model_validate(item) for item in pickle.loads(data[:lengths[0]], buffers=buffers)]
+
+
+def _request_total(lean):
+    """The value of BentoML's ``request_total`` series for ``/square`` answered 200 (the lean route's middleware)."""
+    from bentoml._internal.context import server_context
+
+    metrics = lean.metered
+    return metrics.metrics_request_total.labels(
+        endpoint="/square", service_name=server_context.bento_name, service_version=server_context.bento_version,
+        http_response_code=200, runner_name=server_context.service_name)._value
