@@ -20,8 +20,8 @@ import bentoml
 import numpy as np
 import pytest
 
-import service  # noqa: F401 - Rampart's patches, as every runner process applies them
 from _bentoml_impl.serde import PickleSerde
+from rampart.compat import apply_all
 from rampart.compat.bentoml_private import service_app_factory
 from rampart.compat.bentoml_runner_calls import PICKLE_MEDIA_TYPE, lean_batch_routes
 from rampart.config import Settings
@@ -95,6 +95,7 @@ def served(tmp_path_factory):
     def run(coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, loop).result(60)
 
+    apply_all()  # Rampart's patches, as service.py applies them in every runner process
     Tiny.inject_config()
     app = service_app_factory()(Tiny, is_main=False, enable_metrics=True)()
     lifespan = app.router.lifespan_context(app)
