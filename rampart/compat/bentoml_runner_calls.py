@@ -17,8 +17,8 @@ dependency proxy and ``rampart.runner_client`` send) with the same steps and the
 request parsed by BentoML's ``PickleSerde`` into the API's input model, the call through the
 factory's own ``batch_infer`` (BentoML's adaptive-batching dispatcher, the worker thread, the
 runner's code), the answer serialised as ``to_http_response`` serialises it, with its media type
-and headers (``_add_response_headers``), BentoML's traffic metrics recorded by BentoML's own
-middleware instance, a 504 past the traffic timeout, and errors answered as
+and headers (``_add_response_headers``), BentoML's runner traffic metrics written into its
+middleware's own series as it writes them (``_RunnerMetrics``), a 504 past the traffic timeout, and errors answered as
 ``api_endpoint_wrapper`` answers them (400 for a validation error, a ``BentoMLException``'s own
 status, 500 otherwise, each logged). Any other request (another method or media type) goes to
 ``app`` unchanged. ``tests/unit/test_runner_calls.py`` compares each answer, byte for byte, with
@@ -39,7 +39,7 @@ Used by ``runners.common`` through ``rampart.api.arrival.route_at_front`` (``RAM
 from __future__ import annotations
 
 import asyncio
-import copy
+import contextlib
 import functools
 import logging
 from typing import Any, Callable
@@ -160,6 +160,53 @@ def _batch_api(route: Any) -> tuple[Any, str] | None:
     return factory, name
 
 
+class _RunnerMetrics:
+    """BentoML's runner traffic metrics for one route, written as ``RunnerTrafficMetricsMiddleware`` writes them
+    for an HTTP call (the last request's time, the call in progress, its count and duration by status), into
+    that middleware's own series, with the labelled series looked up once instead of at every call (a lookup by
+    keyword labels cost more than the write). The ``endpoint`` label is the route, as
+    ``rampart.compat.bentoml_server.bound_endpoint_labels`` makes BentoML label it."""
+
+    def __init__(self, middleware, route: str) -> None:
+        from bentoml._internal.context import server_context
+
+        if not middleware._is_setup:
+            middleware._setup()
+        self.middleware = middleware
+        self.route = route
+        self.base = {"service_name": server_context.bento_name, "service_version": server_context.bento_version,
+                     "runner_name": server_context.service_name}
+        self.last_request = middleware.metrics_last_request_timestamp.labels(**self.base)
+        self.in_progress = middleware.metrics_request_in_progress.labels(endpoint=route, **self.base)
+        self.by_status: dict[int, tuple[Any, Any]] = {}
+
+    @contextlib.contextmanager
+    def call(self):
+        """Around one call: yields ``record(status)``, to be called once its answer's status is known."""
+        from timeit import default_timer
+
+        self.last_request.set_to_current_time()
+        started = default_timer()
+
+        def record(status: int) -> None:
+            total, duration = self.by_status.get(status) or self._series(status)
+            total.inc()
+            duration.observe(max(default_timer() - started, 0))
+
+        self.in_progress.inc()
+        try:
+            yield record
+        finally:
+            self.in_progress.dec()
+
+    def _series(self, status: int) -> tuple[Any, Any]:
+        labels = {"endpoint": self.route, "http_response_code": status, **self.base}
+        series = (self.middleware.metrics_request_total.labels(**labels),
+                  self.middleware.metrics_request_duration.labels(**labels))
+        self.by_status[status] = series
+        return series
+
+
 class _Answer:
     """What ``_add_response_headers`` writes its headers into (it needs only ``headers``)."""
 
@@ -178,17 +225,17 @@ class _LeanBatchRoute:
         self.field = next(iter(self.method.input_spec.model_fields))
         self.serde = PickleSerde()
         self.timeout_s = timeout_s
-        self.metered = copy.copy(metrics)  # BentoML's instance, its series and labels, in front of this call
-        self.metered.app = self._answer
+        self.metrics = _RunnerMetrics(metrics, route)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope.get("method") != "POST" or _media_type(scope) != PICKLE_MEDIA_TYPE:
             return await self.app(scope, receive, send)
-        scope["app"] = self.starlette  # as Starlette sets it: the metrics label the route from it
+        scope["app"] = self.starlette  # as Starlette sets it
         _answered[self.route] = _answered.get(self.route, 0) + 1
-        await self.metered(scope, receive, send)
+        with self.metrics.call() as record:
+            await self._answer(scope, receive, send, record)
 
-    async def _answer(self, scope, receive, send) -> None:
+    async def _answer(self, scope, receive, send, record: Callable[[int], None]) -> None:
         from starlette.requests import Request
 
         request = Request(scope, receive)
@@ -200,6 +247,7 @@ class _LeanBatchRoute:
                                                                          f"{self.timeout_s} seconds"}, bentoml=False)
         except Exception as exc:  # noqa: BLE001 - every error is answered, as api_endpoint_wrapper answers it
             status, headers, body = self._error_of(request, exc)
+        record(status)
         await send({"type": "http.response.start", "status": status,
                     "headers": [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]})
         await send({"type": "http.response.body", "body": body})

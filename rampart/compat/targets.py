@@ -160,8 +160,8 @@ TARGETS: tuple[Target, ...] = (
     Target("uvicorn_cycle.connection_closed", "uvicorn.protocols.http.h11_impl", "RequestResponseCycle.send",
            "911ac3ec8826c66bf2f5aa1fb5f2550eb40a2352713033a57af6ad12f2d54de1"),
     # A runner's batch calls answered under BentoML's app (bentoml_runner_calls): the steps of its endpoint (parse,
-    # batch_infer, answer and headers, the errors), the routes and middleware stack it recognises, the metrics it
-    # records through BentoML's own middleware instance.
+    # batch_infer, answer and headers, the errors), the routes and middleware stack it recognises, the series of
+    # BentoML's runner metrics middleware and what it writes into them per call.
     Target("bentoml_runner_calls.lean_batch_routes", _APP, "ServiceAppFactory.api_endpoint",
            "bb5c915a262dfc59e4e7d01c59191067147b7b8101b9f32d89c8419453ae014d"),
     Target("bentoml_runner_calls.lean_batch_routes", _APP, "ServiceAppFactory.api_endpoint_wrapper",
@@ -186,6 +186,8 @@ TARGETS: tuple[Target, ...] = (
            "28260e17b791ac72def6312794591c4d3afa6748d9460f1036bc3ccd097a6c91"),
     Target("bentoml_runner_calls.lean_batch_routes", _INSTRUMENTS, "RunnerTrafficMetricsMiddleware.__call__",
            "048dcbd5af3f43785785fce4b93bc1f020cf812fbf8c22ab7985919f692c678a"),
+    Target("bentoml_runner_calls.lean_batch_routes", _INSTRUMENTS, "RunnerTrafficMetricsMiddleware._setup",
+           "7c7f68f0ea6ad5a65390d95e4e3bdd4c4c9c479a89ec49d327aaeaad75ac336c"),
     Target("uvicorn_app.serve_behind_bound", "uvicorn.config", "Config.load",
            "18b38398dc8c3478e90b9ef737d1f21a49f0303af365c2b0aaa81e0ab8f4c335"),
     # Not patched: the runner calls' wire format, which rampart.runner_client builds and reads with these.

@@ -103,8 +103,16 @@ def served(tmp_path_factory):
     run(request(app, *call_body(["warm"])))  # BentoML's app builds its middleware stack at its first request
     yield lambda check: run(check(app))
     run(lifespan.__aexit__(None, None, None))
+    run(_cancel_the_rest())  # BentoML's dispatcher controllers
     loop.call_soon_threadsafe(loop.stop)
     thread.join(10)
+
+
+async def _cancel_the_rest() -> None:
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def test_lean_routes_answer_as_bentomls_app_byte_for_byte(served):
@@ -141,13 +149,20 @@ def test_other_requests_and_other_stacks_go_to_bentomls_app(served):
 
 
 def test_a_lean_call_is_counted_in_bentomls_runner_metrics(served):
+    """The series BentoML's runner traffic middleware writes for a call: count and duration by status, the call in
+    progress while it runs (back to where it was after), the last request's time."""
+
     async def check(app) -> None:
-        body, headers = call_body(["a"])
         lean = lean_batch_routes(app)["/square"]
-        counted = _request_total(lean)
-        before = counted.get()
-        await request(lean, body, headers)
-        assert counted.get() == before + 1
+        total, duration, in_progress, last = _series(lean, 200)
+        before = (total.get(), duration.get(), in_progress.get(), last.get())
+        await request(lean, *call_body(["a"]))
+        assert total.get() == before[0] + 1 and duration.get() == before[1] + 1
+        assert in_progress.get() == before[2] and last.get() >= before[3]
+        failed_total = _series(lean, 500)[0]
+        failed_before = failed_total.get()
+        await request(lean, *call_body(["boom"]))
+        assert failed_total.get() == failed_before + 1 and total.get() == before[0] + 1
 
     served(check)
 
@@ -173,11 +188,27 @@ def _results(answer: tuple[int, list, bytes]) -> list[RunnerResult]:
     return [RunnerResult.model_validate(item) for item in pickle.loads(data[:lengths[0]], buffers=buffers)]
 
 
-def _request_total(lean):
-    """The value of BentoML's ``request_total`` series for ``/square`` answered 200 (the lean route's middleware)."""
+def _series(lean, status: int) -> tuple:
+    """Values (``get()``) of BentoML's runner series for ``/square`` answered ``status``: request count, duration
+    count, in progress, last request's time, as BentoML's middleware labels them."""
     from bentoml._internal.context import server_context
 
-    metrics = lean.metered
-    return metrics.metrics_request_total.labels(
-        endpoint="/square", service_name=server_context.bento_name, service_version=server_context.bento_version,
-        http_response_code=200, runner_name=server_context.service_name)._value
+    middleware = lean.metrics.middleware
+    base = {"service_name": server_context.bento_name, "service_version": server_context.bento_version,
+            "runner_name": server_context.service_name}
+    labels = {"endpoint": "/square", "http_response_code": status, **base}
+    duration = middleware.metrics_request_duration.labels(**labels)
+    return (middleware.metrics_request_total.labels(**labels)._value, _HistogramCount(duration),
+            middleware.metrics_request_in_progress.labels(endpoint="/square", **base)._value,
+            middleware.metrics_last_request_timestamp.labels(**base)._value)
+
+
+class _HistogramCount:
+    """A histogram's observation count (the sum of its buckets, which prometheus_client keeps one per range), read
+    like a value."""
+
+    def __init__(self, histogram) -> None:
+        self.histogram = histogram
+
+    def get(self) -> float:
+        return sum(bucket.get() for bucket in self.histogram._buckets)
