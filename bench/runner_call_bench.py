@@ -34,10 +34,10 @@ def _call_bodies(method, sizes) -> dict[int, tuple[bytes, dict[str, str]]]:
     """A call of ``size`` images per size, as the entry service's client sends it: (body, headers)."""
     import numpy as np
 
-    from _bentoml_impl.serde import PickleSerde
+    from rampart.compat.bentoml_private import pickle_serde
     from runners.common import RunnerItem
 
-    serde = PickleSerde()
+    serde = pickle_serde()
     pixels = np.random.default_rng(0).integers(0, 255, (260, 260, 3), dtype=np.uint8)
     out = {}
     for size in sizes:

@@ -16,7 +16,7 @@ fails on a private import anywhere else):
 - ``uvicorn_cycle``: uvicorn's request cycle read as it is, patched nowhere (``connection_closed``: a
   write refused because the client's connection closed, under ``rampart.hangup``).
 - ``bentoml_private``: private BentoML names used as they are, patched nowhere (``debug_mode``,
-  ``service_app_factory``).
+  ``service_app_factory``, ``pickle_serde``).
 - ``bentoml_runner_calls``: a runner's batch calls answered in front of BentoML's app with BentoML's own
   parse, dispatch and answer, patching nothing (``lean_batch_routes``; ``runners.common`` installs it).
 - ``bentoml_wire``: BentoML's runner-call wire format built and read with BentoML's own objects,

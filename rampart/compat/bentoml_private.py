@@ -6,7 +6,7 @@ BentoML upgrade that moves one breaks here, in one place (docs/compat.md).
 
 from __future__ import annotations
 
-__all__ = ["debug_mode", "service_app_factory"]
+__all__ = ["debug_mode", "service_app_factory", "pickle_serde"]
 
 
 def debug_mode() -> bool:
@@ -23,3 +23,11 @@ def service_app_factory() -> type:
     from _bentoml_impl.server.app import ServiceAppFactory
 
     return ServiceAppFactory
+
+
+def pickle_serde():
+    """A new ``_bentoml_impl.serde.PickleSerde``: BentoML's pickle serde, the runner calls' wire format
+    (``bench.runner_call_bench`` builds its calls with it, as BentoML's client does)."""
+    from _bentoml_impl.serde import PickleSerde
+
+    return PickleSerde()
