@@ -269,7 +269,7 @@ class RunnerSettings(_Group):
                                               "with BentoML's parse, adaptive batching and answer but none of its "
                                               "per-request middlewares and endpoint glue (`rampart.compat."
                                               "bentoml_runner_calls`, same bytes); `bentoml`, through BentoML's "
-                                              "whole app ([serving-cost.md](serving-cost.md#runner-calls-under-"
+                                              "whole app ([serving-cost.md](serving-cost.md#runner-calls-in-front-of-"
                                               "bentomls-app))")
     access_log: bool = Field(False, description="BentoML's access line for every runner call (off: one log line per "
                              "request; see [Observability](observability.md), Logs)")

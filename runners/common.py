@@ -104,7 +104,7 @@ class BucketedRunner:
         ``outlive_entry_service``).
         """
         place_this_process(role, get_settings(), nice)
-        if get_settings().runners.route == "lean":  # batch calls answered under BentoML's app, same bytes
+        if get_settings().runners.route == "lean":  # batch calls answered in front of BentoML's app, same bytes
             route_at_front(functools.partial(lean_batch_routes,
                                              tracing_excluded=bool(runner_tracing_config(get_settings()))))
         self.max_deadline_ms = max_deadline_ms
@@ -178,7 +178,7 @@ class BucketedRunner:
         ``cores``: the CPU ids this runner may run on (``rampart.cores``), and ``engine``: the engine it
         computes on and why (``inference.engine_choice.EngineChoice.as_stats``: engine, mode, reason,
         and of each engine measured ms_per_image, compute_batch_size and ms_per_image_by_batch_size), and
-        ``lean_calls``: batch calls answered under BentoML's app, by route (``rampart.compat.bentoml_runner_calls``;
+        ``lean_calls``: batch calls answered in front of BentoML's app, by route (``rampart.compat.bentoml_runner_calls``;
         none with ``RAMPART_RUNNER_ROUTE=bentoml``)."""
         return {
             "cores": usable_cores(),

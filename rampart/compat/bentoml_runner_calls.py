@@ -1,4 +1,4 @@
-"""A runner's batch calls answered under BentoML 1.4.29's app instead of through it (its wire format unchanged).
+"""A runner's batch calls answered in front of BentoML 1.4.29's app instead of through it (its wire format unchanged).
 
 Every call from the entry service to a runner's batchable API went through the runner's whole
 BentoML app: Starlette's error middleware, BentoML's traffic metrics, OpenTelemetry (which the
@@ -87,7 +87,7 @@ def lean_batch_routes(app: Any, tracing_excluded: bool = True) -> dict[str, Call
         if target is not None:
             factory, name = target
             routes[route.path] = _LeanBatchRoute(app, starlette, route.path, factory, name, metrics, timeout_s)
-    logger.info("runner batch calls: %s answered under BentoML's app", ", ".join(sorted(routes)) or "none")
+    logger.info("runner batch calls: %s answered in front of BentoML's app", ", ".join(sorted(routes)) or "none")
     return routes
 
 

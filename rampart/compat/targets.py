@@ -159,7 +159,7 @@ TARGETS: tuple[Target, ...] = (
            "e7e76bfeb3573aea514f1a64154f6f1a99c7a2a8ff94f62cf95a96b83d04413b"),
     Target("uvicorn_cycle.connection_closed", "uvicorn.protocols.http.h11_impl", "RequestResponseCycle.send",
            "911ac3ec8826c66bf2f5aa1fb5f2550eb40a2352713033a57af6ad12f2d54de1"),
-    # A runner's batch calls answered under BentoML's app (bentoml_runner_calls): the steps of its endpoint (parse,
+    # A runner's batch calls answered in front of BentoML's app (bentoml_runner_calls): the steps of its endpoint (parse,
     # batch_infer, answer and headers, the errors), the routes and middleware stack it recognises, the series of
     # BentoML's runner metrics middleware and what it writes into them per call.
     Target("bentoml_runner_calls.lean_batch_routes", _APP, "ServiceAppFactory.api_endpoint",

@@ -105,7 +105,7 @@ def test_readyz_and_metrics_stay_available(http):
     assert "bentoml_service_request_total" in http.get("/metrics").text
 
 
-def test_runner_calls_are_answered_under_bentomls_app_and_counted_in_its_metrics(http):
+def test_runner_calls_are_answered_in_front_of_bentomls_app_and_counted_in_its_metrics(http):
     """The runners answer the entry service's batch calls with their lean routes (``RAMPART_RUNNER_ROUTE=lean``,
     the default), and BentoML's runner metrics still count each call under its route."""
     def lean_calls() -> dict[str, int]:

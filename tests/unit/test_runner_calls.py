@@ -1,4 +1,4 @@
-"""``rampart.compat.bentoml_runner_calls``: a runner's batch calls answered under BentoML's app, byte for byte as
+"""``rampart.compat.bentoml_runner_calls``: a runner's batch calls answered in front of BentoML's app, byte for byte as
 BentoML's app answers them.
 
 A small runner service (a batchable API over ``RunnerItem``, deterministic answers) is served in process by
