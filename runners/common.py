@@ -179,7 +179,7 @@ class BucketedRunner:
         computes on and why (``inference.engine_choice.EngineChoice.as_stats``: engine, mode, reason,
         and of each engine measured ms_per_image, compute_batch_size and ms_per_image_by_batch_size), and
         ``lean_calls``: batch calls answered in front of BentoML's app, by route (``rampart.compat.bentoml_runner_calls``;
-        none with ``RAMPART_RUNNER_ROUTE=bentoml``)."""
+        only with ``RAMPART_RUNNER_ROUTE=lean``)."""
         return {
             "cores": usable_cores(),
             "engine": self.engine_choice.as_stats(),

@@ -31,8 +31,8 @@ OpenTelemetry's middleware only while the runner routes are left out of tracing.
 ``lean_batch_routes`` returns no route and BentoML answers everything. The routes are found after
 BentoML's app has answered its first request (its middleware stack is built then).
 
-Used by ``runners.common`` through ``rampart.api.arrival.route_at_front`` (``RAMPART_RUNNER_ROUTE``:
-``lean``, the default, or ``bentoml``). The BentoML objects it relies on are hashed in
+Used by ``runners.common`` through ``rampart.api.arrival.route_at_front`` when ``RAMPART_RUNNER_ROUTE`` is
+``lean`` (the default, ``bentoml``, leaves every call to BentoML's app: docs/serving-cost.md says why). The BentoML objects it relies on are hashed in
 ``rampart.compat.targets``; docs/compat.md.
 """
 

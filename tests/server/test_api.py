@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from tests.support import PHOTOS, encode, photo
@@ -104,19 +102,3 @@ def test_readyz_and_metrics_stay_available(http):
     assert http.get("/readyz").status_code == 200
     assert "bentoml_service_request_total" in http.get("/metrics").text
 
-
-def test_runner_calls_are_answered_in_front_of_bentomls_app_and_counted_in_its_metrics(http):
-    """The runners answer the entry service's batch calls with their lean routes (``RAMPART_RUNNER_ROUTE=lean``,
-    the default), and BentoML's runner metrics still count each call under its route."""
-    def lean_calls() -> dict[str, int]:
-        return http.get("/stats").json()["primary"]["runner"]["lean_calls"]
-
-    before = lean_calls()
-    assert http.post("/classify", content=encode(photo("chelsea"))).status_code == 200
-    deadline = time.monotonic() + 5  # /stats asks the runners at most every stats_runner_refresh_ms (500)
-    while sum((after := lean_calls()).values()) <= sum(before.values()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert sum(after.values()) > sum(before.values()), (before, after)
-    metrics = http.get("/metrics").text
-    assert any(line.startswith("bentoml_service_request_total{") and f'endpoint="{route}"' in line
-               and 'http_response_code="200"' in line for line in metrics.splitlines() for route in after), after

@@ -1,7 +1,8 @@
 """Idle and slow connections on a real server: silent connections and trickled heads are closed by the head
 timeout, an answered keep-alive connection by the keep-alive timeout, while uploads are still answered; the
 rest of an answered request's body and an endless trailer section do not hold a connection either, nor bodies
-that stall holding the worker's budget of body bytes.
+that stall holding the worker's budget of body bytes. Last, the same server runs the runners' lean route
+(``RAMPART_RUNNER_ROUTE=lean``): its calls are counted, by the runner and in BentoML's metrics.
 
 The module starts its own server with short timeouts (``HEAD_S``, ``KEEP_ALIVE_S``) and a small budget of body
 bytes (``HELD_BUDGET_BYTES``); the in-process tests of the same protocol are in
@@ -45,7 +46,8 @@ HELD_BUDGET_BYTES = STALLED_BODIES * STALLED_BYTES + 100_000
 def timed_server(start_server):
     return start_server(RAMPART_REQUEST_HEAD_TIMEOUT_MS=str(int(HEAD_S * 1000)),
                         RAMPART_KEEP_ALIVE_TIMEOUT_S=str(KEEP_ALIVE_S),
-                        RAMPART_MAX_HELD_BODY_BYTES=str(HELD_BUDGET_BYTES))
+                        RAMPART_MAX_HELD_BODY_BYTES=str(HELD_BUDGET_BYTES),
+                        RAMPART_RUNNER_ROUTE="lean")  # the runners' lean route, checked at the end of this module
 
 
 def connect(port: int) -> socket.socket:
@@ -240,3 +242,22 @@ def test_bodies_that_stall_holding_the_budget_of_body_bytes_give_way_to_an_uploa
     cut = [index for index, kept in enumerate(received) if kept]
     assert len(cut) == 1 and cut[0] < 3 and closed[cut[0]], (cut, closed)
     assert received[cut[0]].startswith(b"HTTP/1.1 408") and b"request_timeout" in received[cut[0]]
+
+
+def test_runner_calls_are_answered_in_front_of_bentomls_app_and_counted_in_its_metrics(timed_server):
+    """With ``RAMPART_RUNNER_ROUTE=lean`` (this module's server) the runners answer the entry service's batch calls
+    with their lean routes, and BentoML's runner metrics still count each call under its route."""
+    with httpx.Client(base_url=timed_server.url, timeout=30) as http:
+
+        def lean_calls() -> dict[str, int]:
+            return http.get("/stats").json()["primary"]["runner"]["lean_calls"]
+
+        before = lean_calls()
+        assert http.post("/classify", content=encode(photo("chelsea"))).status_code == 200
+        deadline = time.monotonic() + 5  # /stats asks the runners at most every stats_runner_refresh_ms (500)
+        while sum((after := lean_calls()).values()) <= sum(before.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        metrics = http.get("/metrics").text
+    assert sum(after.values()) > sum(before.values()), (before, after)
+    assert any(line.startswith("bentoml_service_request_total{") and f'endpoint="{route}"' in line
+               and 'http_response_code="200"' in line for line in metrics.splitlines() for route in after), after
