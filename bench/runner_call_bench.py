@@ -30,27 +30,33 @@ CALL_SIZES = (1, 4)
 API = "square"
 
 
-def _call_bodies(method, sizes) -> dict[int, tuple[bytes, dict[str, str]]]:
-    """A call of ``size`` images per size, as the entry service's client sends it: (body, headers)."""
-    import numpy as np
-
+def pickled_call(input_spec, items: list) -> tuple[bytes, dict[str, str]]:
+    """A call of a batchable API with ``items`` as the entry service's client sends it (BentoML's pickle wire
+    format: the API's ``input_spec`` built from the items, then pickled): (body, headers)."""
     from rampart.compat.bentoml_private import pickle_serde
-    from runners.common import RunnerItem
 
     serde = pickle_serde()
+    payload = serde.serialize_model(input_spec.from_inputs(items))
+    return b"".join(bytes(part) for part in payload.data), {"content-type": serde.media_type, **payload.headers}
+
+
+def _call_bodies(method, sizes) -> dict[int, tuple[bytes, dict[str, str]]]:
+    """A call of ``size`` square-bucket images per size: (body, headers)."""
+    import numpy as np
+
+    from runners.common import RunnerItem
+
     pixels = np.random.default_rng(0).integers(0, 255, (260, 260, 3), dtype=np.uint8)
-    out = {}
-    for size in sizes:
-        items = [RunnerItem(pixels=pixels, deadline_epoch_s=time.time() + 3600, request_id=str(i)) for i in range(size)]
-        payload = serde.serialize_model(method.input_spec.from_inputs(items))
-        out[size] = (b"".join(bytes(part) for part in payload.data),
-                     {"content-type": serde.media_type, **payload.headers})
-    return out
+    return {size: pickled_call(method.input_spec, [RunnerItem(pixels=pixels, deadline_epoch_s=time.time() + 3600,
+                                                              request_id=str(i)) for i in range(size)])
+            for size in sizes}
 
 
-async def _send(app, body: bytes, headers: dict[str, str]) -> int:
-    """One ASGI call to ``/square``; returns its status."""
-    status = 0
+async def asgi_call(app, path: str, body: bytes, headers: dict[str, str], method: str = "POST"
+                    ) -> tuple[int, list, bytes]:
+    """One HTTP request to the ASGI ``app`` in process, its whole body at once: (status, sorted header pairs,
+    body)."""
+    messages = []
     sent = False
 
     async def receive() -> dict:
@@ -61,16 +67,20 @@ async def _send(app, body: bytes, headers: dict[str, str]) -> int:
         await asyncio.sleep(3600)
 
     async def send(message: dict) -> None:
-        nonlocal status
-        if message["type"] == "http.response.start":
-            status = message["status"]
+        messages.append(message)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-             "path": f"/{API}", "raw_path": f"/{API}".encode(), "query_string": b"", "root_path": "", "state": {},
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "", "state": {},
              "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 3000),
              "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
     await app(scope, receive, send)
-    return status
+    return (messages[0]["status"], sorted(messages[0]["headers"]),
+            b"".join(m.get("body", b"") for m in messages[1:]))
+
+
+async def _send(app, body: bytes, headers: dict[str, str]) -> int:
+    """One call to ``/square``; returns its status."""
+    return (await asgi_call(app, f"/{API}", body, headers))[0]
 
 
 async def _measure(calls: int, rounds: int) -> list[dict]:

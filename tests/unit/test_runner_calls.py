@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import os
-import pickle
 import threading
 import time
 
@@ -20,7 +19,8 @@ import bentoml
 import numpy as np
 import pytest
 
-from _bentoml_impl.serde import PickleSerde
+from _bentoml_impl.serde import Payload, PickleSerde
+from bench.runner_call_bench import asgi_call, pickled_call
 from rampart.compat import apply_all
 from rampart.compat.bentoml_private import service_app_factory
 from rampart.compat.bentoml_runner_calls import PICKLE_MEDIA_TYPE, lean_batch_routes
@@ -49,8 +49,7 @@ def call_body(names: list[str]) -> tuple[bytes, dict[str, str]]:
     """A call as BentoML's proxy (and ``rampart.runner_client``) sends it: the API's input model, pickled."""
     items = [RunnerItem(pixels=np.full((4, 4, 3), i, np.uint8), deadline_epoch_s=time.time() + 60, request_id=name)
              for i, name in enumerate(names)]
-    payload = SERDE.serialize_model(Tiny.apis["square"].input_spec.from_inputs(items))
-    return b"".join(bytes(part) for part in payload.data), {"content-type": PICKLE_MEDIA_TYPE, **payload.headers}
+    return pickled_call(Tiny.apis["square"].input_spec, items)
 
 
 def bad_body() -> tuple[bytes, dict[str, str]]:
@@ -61,26 +60,7 @@ def bad_body() -> tuple[bytes, dict[str, str]]:
 
 async def request(app, body: bytes, headers: dict[str, str], method: str = "POST") -> tuple[int, list, bytes]:
     """(status, sorted headers, body) of one ASGI request to ``/square``."""
-    messages = []
-    sent = False
-
-    async def receive() -> dict:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.sleep(3600)
-
-    async def send(message: dict) -> None:
-        messages.append(message)
-
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method, "scheme": "http",
-             "path": "/square", "raw_path": b"/square", "query_string": b"", "root_path": "", "state": {},
-             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 3000),
-             "headers": [(k.encode(), v.encode()) for k, v in headers.items()]}
-    await app(scope, receive, send)
-    return (messages[0]["status"], sorted(messages[0]["headers"]),
-            b"".join(m.get("body", b"") for m in messages[1:]))
+    return await asgi_call(app, "/square", body, headers, method)
 
 
 @pytest.fixture(scope="module")
@@ -178,14 +158,9 @@ class _Unknown:
 
 
 def _results(answer: tuple[int, list, bytes]) -> list[RunnerResult]:
-    headers = dict((k.decode(), v.decode()) for k, v in answer[1])
-    lengths = [int(n) for n in headers["buffer-lengths"].split(",")]
-    data = memoryview(answer[2])
-    buffers, start = [], lengths[0]
-    for length in lengths[1:]:
-        buffers.append(pickle.PickleBuffer(data[start:start + length]))
-        start += length
-    return [RunnerResult.model_validate(item) for item in pickle.loads(data[:lengths[0]], buffers=buffers)]
+    """The results of an answer, read by BentoML's pickle serde as its client reads them."""
+    headers = {k.decode(): v.decode() for k, v in answer[1]}
+    return [RunnerResult.model_validate(item) for item in SERDE.deserialize_value(Payload((answer[2],), headers))]
 
 
 def _series(lean, status: int) -> tuple:
