@@ -236,11 +236,15 @@ class InflightBound:
         self.held += size
         return True
 
+    def _drop_old_buckets(self, body: _Body, now: float) -> None:
+        """Drop from ``body.recent`` the buckets whose end is out of the last ``slow_window_s`` before ``now``."""
+        while body.recent and body.recent[0][0] + RECENT_BUCKET_S <= now - self.slow_window_s:
+            body.recent.popleft()
+
     def _recent_bytes(self, body: _Body, now: float) -> int:
         """The bytes ``body`` received in the last ``slow_window_s`` before ``now`` (event loop time), counting a
         bucket whole until its end passes out of the window; older buckets leave ``body.recent``."""
-        while body.recent and body.recent[0][0] + RECENT_BUCKET_S <= now - self.slow_window_s:
-            body.recent.popleft()
+        self._drop_old_buckets(body, now)
         return sum(size for _, size in body.recent)
 
     def _note_chunk(self, body: _Body, now: float, size: int) -> None:
@@ -252,7 +256,7 @@ class InflightBound:
             body.recent[-1] = (body.recent[-1][0], body.recent[-1][1] + size)
         else:
             body.recent.append((now, size))
-        self._recent_bytes(body, now)
+        self._drop_old_buckets(body, now)
 
     def _cut_slow_holders(self, needing: _Body, excess: int) -> bool:
         """Cut the slow bodies still arriving (class doc, "Slow holders give way"), slowest first, until ``excess``
