@@ -2,8 +2,9 @@
 
 On the session ``server`` (default settings), all measured in this run: the primary's
 closed-loop capacity C_p; normal open-loop traffic at ``NORMAL_SHARE`` × C_p alone and
-beside a saturating low-priority closed loop (phases interleaved, so drift of the shared
-host falls on both alike); then normal traffic at 5 × C_p beside the same low stream.
+beside a saturating low-priority closed loop, and C_p again, in rounds (phases interleaved,
+so drift of the shared host falls on each alike); then normal traffic at 5 × C_p beside the
+same low stream.
 No wall-clock time is asserted: normal P99 is compared with normal P99 of the same run.
 """
 
@@ -21,6 +22,11 @@ LOW_DEADLINE_MS = 10_000
 #: Closed-loop connections of the primary's capacity (tests/server/test_overload.py: its knee on 2 cores).
 CAPACITY_CLIENTS = 8
 CAPACITY_S = 4.0
+#: Seconds of the capacity phase in each round: the idle capacity the low stream is held to is C_p measured
+#: between the phases it is compared with, not once before them. In a CI run the host slowed after the first
+#: measurement (normal traffic alone then went 6% to the fallback, 0% on the quiet host), and the low stream was
+#: held to the idle capacity of the faster host it no longer was (low_over_idle 0.67; 1.16-1.67 on the quiet host).
+CAPACITY_ROUND_S = 2.0
 #: Normal traffic at this share of C_p, with and without the low stream.
 NORMAL_SHARE = 0.8
 #: Seconds per phase, and rounds of (without, with) the low stream: five, so each side's P99 is over about 250
@@ -71,8 +77,9 @@ def test_low_priority_fills_idle_capacity_without_slowing_normal_traffic_and_nev
     assert c_p > 0, summarize(capacity, CAPACITY_S)
 
     rate = NORMAL_SHARE * c_p
-    alone, beside, low = [], [], []
+    alone, beside, low, in_rounds = [], [], [], []
     for i in range(ROUNDS):
+        in_rounds += asyncio.run(closed_loop(url, bodies, CAPACITY_CLIENTS, CAPACITY_ROUND_S))
         alone += asyncio.run(_side_by_side(url, bodies, rate, PHASE_S, seed=i, low=False))[0]
         normal, low_samples = asyncio.run(_side_by_side(url, bodies, rate, PHASE_S, seed=i, low=True))
         beside += normal
@@ -80,10 +87,11 @@ def test_low_priority_fills_idle_capacity_without_slowing_normal_traffic_and_nev
     seconds = ROUNDS * PHASE_S
     p99_alone = summarize(alone, seconds)["p99_ms"]
     p99_beside = summarize(beside, seconds)["p99_ms"]
+    c_p_in_rounds = _in_time_by_primary(in_rounds) / (ROUNDS * CAPACITY_ROUND_S)
     normal_rate = _in_time_by_primary(beside) / seconds
     low_rate = _in_time_by_primary(low) / seconds
-    report = {"c_p": round(c_p, 1), "normal_rate": round(normal_rate, 1), "low_rps": round(low_rate, 1),
-              "low_over_idle": round(low_rate / max(c_p - normal_rate, 1e-9), 2),
+    report = {"c_p": round(c_p, 1), "c_p_in_rounds": round(c_p_in_rounds, 1), "normal_rate": round(normal_rate, 1),
+              "low_rps": round(low_rate, 1), "low_over_idle": round(low_rate / max(c_p_in_rounds - normal_rate, 1e-9), 2),
               "normal_by_primary_alone": round(_in_time_by_primary(alone) / max(len(alone), 1), 2),
               "normal_by_primary_beside": round(_in_time_by_primary(beside) / max(len(beside), 1), 2),
               "p99_alone_ms": p99_alone, "p99_beside_ms": p99_beside, "p99_ratio": round(p99_beside / p99_alone, 2),
@@ -94,7 +102,7 @@ def test_low_priority_fills_idle_capacity_without_slowing_normal_traffic_and_nev
     assert all(s.status in (200, 429) for s in alone + beside + low), report
     assert p99_beside <= P99_RATIO * p99_alone, report
     assert report["normal_by_primary_beside"] >= DISPLACED_RATIO * report["normal_by_primary_alone"], report
-    assert low_rate >= LOW_SHARE_OF_IDLE * (c_p - normal_rate), report
+    assert low_rate >= LOW_SHARE_OF_IDLE * (c_p_in_rounds - normal_rate), report
 
     normal, low = asyncio.run(_side_by_side(url, bodies, OVERLOAD_FACTOR * c_p, OVERLOAD_S, seed=7, low=True))
     overload = {"normal": summarize(normal, OVERLOAD_S), "low": summarize(low, OVERLOAD_S)}
