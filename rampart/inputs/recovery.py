@@ -17,10 +17,12 @@ warning                     damage and repair
                             marker is appended (after dropping a marker segment
                             the file ends inside). Only when every scan the frame
                             needs is present (``_jpeg_scans_complete``) and the
-                            last scan's data is whole: it ended at a marker, or
-                            the decoder proves it, ``Repair.control`` putting
-                            filler (and the next restart marker) before the
-                            EOI; the two decodes must give identical pixels.
+                            decoder proves the last scan's data whole,
+                            ``Repair.control`` putting filler (and the next
+                            restart marker) before the EOI; the two decodes must
+                            give identical pixels. Also where the scan ended at a
+                            marker: a stray one (a damaged byte inside the scan)
+                            looks like the start of a trailing segment.
 ``png_bad_ancillary_crc``   an ancillary chunk (lower-case first letter: text,
                             gamma, ICC, EXIF...) fails its CRC-32: it is dropped,
                             as libpng does.
@@ -142,9 +144,10 @@ def _repair_jpeg(data: bytes) -> Repair | None:
             "component: pixel data is missing"
         )
     body = data[: layout.whole_up_to]
-    if not layout.ends_in_scan:  # the last scan ended at a marker: its data is whole
-        return Repair(body + _EOI, ("jpeg_missing_eoi",))
-    body = body.rstrip(b"\xff")  # a lone 0xFF at the end is half a marker
+    if layout.ends_in_scan:
+        body = body.rstrip(b"\xff")  # a lone 0xFF at the end is half a marker
+    # Ending at a marker does not make the scan whole: a stray marker inside its data (a flipped byte) ends the
+    # walk as a trailing segment would, with the rest of the scan after it. The control decode tells them apart.
     return Repair(body + _EOI, ("jpeg_missing_eoi",), control=body + _jpeg_control_tail(body, layout) + _EOI)
 
 

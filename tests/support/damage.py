@@ -149,8 +149,17 @@ def progressive_cut_after_first_scan() -> bytes:
     return data[:second_scan]
 
 
+def stray_marker_mid_scan(name: str) -> bytes:
+    """``original(name)`` (a JPEG) with a reserved marker (``FF B3``, JPGn) put in the middle of its last scan's data:
+    libjpeg stops there, so the rest of the scan is lost although the file keeps its EOI."""
+    data = original(name)
+    middle = data.rindex(b"\xff\xda") + (len(data) - data.rindex(b"\xff\xda")) // 2
+    return data[:middle] + b"\xff\xb3" + data[middle:]
+
+
 TRUNCATED: list[tuple[str, bytes]] = [
     *[(f"{name}-{round(missing * 100)}%_missing", cut(name, missing))
       for name in ("jpeg", "progressive_jpeg", "png", "gif", "webp", "bmp", "tiff") for missing in (0.1, 0.5, 0.9)],
     ("progressive_jpeg-cut_after_first_scan", progressive_cut_after_first_scan()),
+    *[(f"{name}-stray_marker_mid_scan", stray_marker_mid_scan(name)) for name in ("jpeg", "progressive_jpeg")],
 ]

@@ -29,7 +29,7 @@ from rampart.config import Settings
 from rampart.overload.deadline import Deadline
 from rampart.inputs.decoding import decode_image
 from tests.support import ROOT, encode
-from tests.support.damage import BENIGN, BENIGN_IDS, CHELSEA, TRUNCATED, original
+from tests.support.damage import BENIGN, BENIGN_IDS, CHELSEA, TRUNCATED, original, stray_marker_mid_scan
 from tests.support.decoding import LIMITS, png_chunk
 from tests.unit.standins import stand_in_chain
 
@@ -74,6 +74,18 @@ def test_jpeg_with_restart_markers_missing_eoi_is_repaired_and_cut_at_a_marker_i
     for end in (last_restart, last_restart + 2):  # before or after the marker: the later rows are missing
         with pytest.raises(errors.CorruptImage, match="pixel data is missing"):
             decode_image(data[:end], LIMITS)
+
+
+@pytest.mark.parametrize("name", ["jpeg", "progressive_jpeg"])
+def test_a_stray_marker_inside_a_jpeg_scan_is_refused_not_taken_for_its_end(name):
+    """A marker byte pair put into the middle of the entropy-coded data (the file keeps its EOI): Pillow refuses it,
+    the walk took the marker for a trailing segment the file ends inside, dropped the rest of the scan and
+    classified the grey-filled remainder with the warning ``jpeg_missing_eoi``."""
+    damaged = stray_marker_mid_scan(name)
+    with pytest.raises(OSError, match="broken data stream"):
+        Image.open(io.BytesIO(damaged)).load()  # Pillow refuses it: the repair is asked
+    with pytest.raises(errors.CorruptImage, match="pixel data is missing"):
+        decode_image(damaged, LIMITS)
 
 
 def test_progressive_jpeg_missing_any_later_scan_is_refused():
