@@ -38,8 +38,8 @@ or repeated ``Content-Length``, a bad chunk size, a lower-case method) with a pl
 the connection; ``HeadLimitedProtocol.send_400_response`` sends Rampart's JSON error
 ``malformed_request`` instead, counted and logged like every answer (behind pipelined requests still to be
 answered it gets none: they are answered first, in order, and the connection closed after them). A request that asks to
-upgrade to a protocol Rampart does not serve (``Upgrade: h2c``; only a served WebSocket is upgraded)
-gets the same answer from ``on_headers_complete``, before any app runs: llhttp stops parsing at the
+upgrade to another protocol (``Upgrade: h2c``, ``websocket``: no route of Rampart or BentoML serves a
+WebSocket, so none is taken; uvicorn's WebSocket side answered the handshake with an empty 403) gets the same answer from ``on_headers_complete``, before any app runs: llhttp stops parsing at the
 end of its head, so its body and every later request on the connection were lost.
 
 **A bound on pipelined requests.** uvicorn parses every request of a read at once and queues each behind
@@ -260,8 +260,8 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         raise _PipelineTooDeep(f"more than {MAX_PIPELINED_REQUESTS} requests queued on one connection")
 
     def _refuse_upgrade(self, upgrade: bytes) -> None:
-        """Answer a request asking to upgrade to a protocol Rampart does not speak (``Connection: upgrade``,
-        ``Upgrade: h2c`` or any but a served WebSocket) with the JSON 400 ``malformed_request``, and close.
+        """Answer a request asking to upgrade to another protocol (``Connection: upgrade``, ``Upgrade: h2c``,
+        ``websocket`` or any other: ``_should_upgrade`` takes none) with the JSON 400 ``malformed_request``, and close.
 
         llhttp stops parsing at the end of such a request's head, so uvicorn ran the app with an empty body
         (a false ``empty_body``) and never parsed the bytes after it: the next request on the connection
@@ -276,6 +276,12 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._write_error(MalformedRequest(f"an upgrade to {name!r} is not supported; send the request without "
                                            "the Upgrade and Connection: upgrade headers"), b"400 Bad Request")
         self.transport.close()
+
+    def _should_upgrade(self) -> bool:
+        """False: no route of Rampart or BentoML serves a WebSocket, so no upgrade is taken (uvicorn took a
+        ``websocket`` upgrade whenever a WebSocket library was installed, and its handshake was refused with an
+        empty 403, or 400 without its key)."""
+        return False
 
     def on_message_complete(self) -> None:
         super().on_message_complete()

@@ -102,8 +102,13 @@ def test_bytes_the_http_parser_refuses_get_a_json_400_and_the_next_request_is_se
     assert answer.status_code == 200 and answer.json()["labels"], answer.text
 
 
-@pytest.mark.parametrize("upgrade", [b"h2c\r\nConnection: Upgrade, HTTP2-Settings\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA",
-                                     b"foo/1\r\nConnection: Upgrade"], ids=["h2c", "unknown"])
+@pytest.mark.parametrize("upgrade", [
+    b"h2c\r\nConnection: Upgrade, HTTP2-Settings\r\nHTTP2-Settings: AAMAAABkAARAAAAAAAIAAAAA",
+    b"foo/1\r\nConnection: Upgrade",
+    # No route serves a WebSocket: the handshake got an empty 403 (400 without its key) from uvicorn's WebSocket side.
+    b"websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nSec-WebSocket-Version: 13",
+    b"websocket\r\nConnection: Upgrade",
+], ids=["h2c", "unknown", "websocket", "websocket-without-key"])
 def test_an_upgrade_to_a_protocol_not_served_gets_a_json_400_and_the_connection_closes(server, http, upgrade):
     """llhttp stops parsing at the end of an upgrade request's head: answered as if its body were empty, the
     request after it on the connection went unread. Now one JSON 400 and a close; a new connection is served."""
