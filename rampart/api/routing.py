@@ -14,7 +14,8 @@ mounted app never runs, and BentoML's static-file mount answers its own plain-te
   from a fixed set (``rampart.compat.bentoml_server.bound_endpoint_labels``).
 - ``JSONRouteErrors``, an ASGI middleware (added with ``add_asgi_middleware``),
   turns every 404 or 405 that is not already JSON into Rampart's JSON error
-  shape: 404 ``not_found``, 405 ``method_not_allowed`` (keeping ``Allow``); under ``/v2`` in the
+  shape: 404 ``not_found``, 405 ``method_not_allowed`` (keeping ``Allow``), and a trailing-slash
+  redirect (``/classify/``) into a 404 ``not_found``; under ``/v2`` in the
   Open Inference Protocol's form instead (``rampart.api.oip.error_response``: ``{"error": "<string>"}``).
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import time
 import weakref
 from typing import Callable, Iterable
+from urllib.parse import urlsplit
 
 from starlette.datastructures import Headers
 from starlette.requests import Request
@@ -100,11 +102,21 @@ def endpoint_label(scope: Scope) -> str:
 Answered = Callable[[Request, str, float, RampartError], None]
 
 
+def _slash_redirect(path: str, headers: Headers) -> bool:
+    """Whether a 307/308 with ``headers`` is Starlette's trailing-slash redirect of ``path``: its ``Location``
+    is ``path`` with a trailing slash added or removed (``Router(redirect_slashes=True)``, BentoML's and
+    Rampart's routers alike). Other redirects (``GET /docs``) are not."""
+    target = urlsplit(headers.get("location", "")).path
+    return target != path and target.rstrip("/") == path.rstrip("/")
+
+
 class JSONRouteErrors:
     """ASGI middleware: every 404 or 405 response that is not JSON is replaced by Rampart's JSON error.
 
     The replaced response keeps its status and ``Allow`` header; its plain-text
-    body is dropped. JSON 404/405s (Rampart's own, BentoML's task endpoints) pass
+    body is dropped. A trailing-slash redirect (``POST /classify/``: Starlette's routers
+    answer an empty 307 to the path without the slash, which a client does not follow
+    with its body) is a 404 ``not_found`` too, naming the slash. JSON 404/405s (Rampart's own, BentoML's task endpoints) pass
     unchanged. Under ``/v2`` the body is the protocol's ``{"error": "<code>: <message>"}``.
     ``answered`` (optional) is called for each replaced response, to
     count and log it.
@@ -120,9 +132,13 @@ class JSONRouteErrors:
         started, replaced = time.perf_counter(), []
 
         async def send_json_errors(message: Message) -> None:
-            if message["type"] == "http.response.start" and message["status"] in (404, 405):
+            if message["type"] == "http.response.start" and message["status"] in (404, 405, 307, 308):
                 headers = Headers(raw=message.get("headers", []))
-                if not headers.get("content-type", "").startswith("application/json"):
+                if message["status"] in (307, 308):
+                    if _slash_redirect(scope["path"], headers):
+                        replaced.append(self._error(scope, 404, headers))
+                        return
+                elif not headers.get("content-type", "").startswith("application/json"):
                     replaced.append(self._error(scope, message["status"], headers))
                     return
             if not replaced:
@@ -141,7 +157,8 @@ class JSONRouteErrors:
         request = Request(scope)
         method, path = scope["method"], scope["path"][:200]
         if status == 404:
-            return request, request_id_of(request), NotFound(f"no route serves {method} {path}")
+            hint = " (the routes have no trailing slash)" if path.endswith("/") and path != "/" else ""
+            return request, request_id_of(request), NotFound(f"no route serves {method} {path}{hint}")
         allowed = tuple(m.strip() for m in headers.get("allow", "").split(",") if m.strip())
         error = MethodNotAllowed(f"{path} answers {', '.join(allowed) or 'other methods'}, not {method}", allowed)
         return request, request_id_of(request), error

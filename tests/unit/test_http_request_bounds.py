@@ -19,7 +19,7 @@ import pytest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import PlainTextResponse
+from starlette.responses import PlainTextResponse, RedirectResponse
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.testclient import TestClient
@@ -160,6 +160,25 @@ def test_plain_404_and_405_of_every_layer_become_json(bentoml_shaped_app):
     assert "POST" in body["message"] and client.get("/classify").headers["allow"] == "POST"
     json_error(client.post("/livez"), 405, "method_not_allowed")
     assert client.post("/classify").text == "ok" and client.get("/static_content/page.txt").text == "hi"
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/classify/"), ("DELETE", "/classify/"), ("GET", "/livez/"),
+                                          ("POST", "/v2/models/anything/infer/")])
+def test_a_trailing_slash_is_a_json_404_not_an_empty_redirect(bentoml_shaped_app, method, path):
+    """Starlette's routers answered an empty 307 to the path without the slash (a client does not send its body
+    again); now the JSON 404 of any unserved path, saying the routes have no trailing slash."""
+    reply = TestClient(bentoml_shaped_app).request(method, path, content=b"x", follow_redirects=False)
+    if path.startswith("/v2/"):
+        assert reply.status_code == 404 and "trailing slash" in reply.json()["error"], reply.text
+    else:
+        assert "trailing slash" in json_error(reply, 404, "not_found")["message"]
+
+
+def test_other_redirects_pass_unchanged():
+    app = Starlette(routes=[Route("/docs", lambda r: RedirectResponse("/", status_code=307))],
+                    middleware=[Middleware(JSONRouteErrors)])
+    reply = TestClient(app).get("/docs", follow_redirects=False)
+    assert reply.status_code == 307 and reply.headers["location"] == "/"
 
 
 def test_head_is_counted_up_to_its_blank_line_wherever_the_reads_split_it():
