@@ -122,6 +122,22 @@ def top_k_of(raw: str) -> int:
     return top_k
 
 
+#: A number of milliseconds as HTTP clients write one (JSON's grammar, with an optional ``+``): Python's ``float``
+#: also takes ``1_000``, ``infinity`` and ``nan``, which no client means.
+_MILLISECONDS = re.compile(r"\+?(?:[0-9]{1,20}(?:\.[0-9]{0,20})?|\.[0-9]{1,20})(?:[eE][+-]?[0-9]{1,3})?")
+
+
+def single_header(request: Request, name: str) -> str | None:
+    """The value of header ``name`` (lower case), None when absent. Sent more than once with different values
+    (``X-Deadline-Ms: 1000`` and ``X-Deadline-Ms: 5``), it is ``InvalidParameter``: which one the client meant is
+    not for the server to guess."""
+    values = request.headers.getlist(name)
+    if len(set(values)) > 1:
+        shown = ", ".join(repr(value[:32]) for value in values[:3])
+        raise InvalidParameter(f"{name} is sent {len(values)} times with different values ({shown}); send it once")
+    return values[0] if values else None
+
+
 def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.0,
                    arrival: Arrival | None = None) -> Deadline:
     """``X-Deadline-Ms``: a positive number of ms, default ``default_deadline_ms`` (``low_priority_deadline_ms``
@@ -134,23 +150,23 @@ def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.
     The ``Deadline`` is sliced by ``Deadline.sliced``: its answer margin is
     ``answer_margin_ms`` + ``loop_lag_ms`` (the event loop's recent lag), so the
     answer is sent by the client's deadline. Raises ``InvalidParameter`` (422) for a
-    value that is not a number or not positive and finite, and ``DeadlineTooShort`` (422
+    value that is not a number (``_MILLISECONDS``) or not positive and finite, or a header sent twice with
+    different values (``single_header``), and ``DeadlineTooShort`` (422
     ``deadline_too_short``) for one below ``settings.min_deadline_ms``.
     """
     if arrival is None:
         arrival = arrival_of(request.scope, request.headers.get("x-request-start"), settings.deadlines.max_deadline_ms)
-    raw = request.headers.get("x-deadline-ms")
+    raw = single_header(request, "x-deadline-ms")
     if raw is None:
-        low = request.headers.get("x-priority", "").strip().lower() == "low"
+        low = (single_header(request, "x-priority") or "").strip().lower() == "low"
         # The low class's long default is capped like any deadline: a server with a short max_deadline_ms
         # (a test's, an operator's) must still start with the default low deadline.
         default_ms = min(settings.deadlines.low_priority_deadline_ms, settings.deadlines.max_deadline_ms) if low else \
             settings.deadlines.default_deadline_ms
         return Deadline.sliced(default_ms, arrival, settings, loop_lag_ms)
-    try:
-        budget = float(raw)
-    except ValueError:
-        raise InvalidParameter(f"X-Deadline-Ms must be a number of milliseconds, got {raw[:32]!r}") from None
+    if not _MILLISECONDS.fullmatch(raw.strip(" \t")):
+        raise InvalidParameter(f"X-Deadline-Ms must be a number of milliseconds, got {raw[:32]!r}")
+    budget = float(raw)
     if not budget > 0 or budget != budget or budget == float("inf"):
         raise InvalidParameter(f"X-Deadline-Ms must be positive and finite, got {raw[:32]!r}")
     if budget < settings.min_deadline_ms:
@@ -165,7 +181,8 @@ def parse_deadline(request: Request, settings: Settings, loop_lag_ms: float = 0.
 def parse_priority(request: Request) -> str:
     """``X-Priority``: ``high``, ``normal`` (default) or ``low``, any case; the class name
     (``rampart.overload.admission.PRIORITIES``), else ``InvalidParameter``."""
-    raw = request.headers.get("x-priority", "normal").strip().lower()
+    given = single_header(request, "x-priority")
+    raw = ("normal" if given is None else given).strip().lower()
     if raw not in PRIORITIES:
         raise InvalidParameter(f"X-Priority must be 'high', 'normal' or 'low', got {raw[:32]!r}")
     return raw

@@ -72,6 +72,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 import numpy as np
 from PIL import Image
+from starlette.datastructures import MutableHeaders
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -492,7 +493,7 @@ class _Parameters:
     """
 
     def __init__(self, request: Request, parameters: dict) -> None:
-        headers = {key: value for key, value in request.headers.items()}
+        headers = MutableHeaders(raw=list(request.headers.raw))  # a parameter replaces every copy of its header
         if "deadline_ms" in parameters:
             headers["x-deadline-ms"] = _text(parameters["deadline_ms"], "deadline_ms")
         elif "timeout" in parameters:  # Triton's per-request timeout, in microseconds

@@ -48,10 +48,19 @@ def test_top_k_bounds_are_accepted(http, top_k):
     assert response.status_code == 200 and len(response.json()["labels"]) == top_k
 
 
-@pytest.mark.parametrize("deadline", ["0", "-5", "soon", "nan", "inf"])
+@pytest.mark.parametrize("deadline", ["0", "-5", "soon", "nan", "inf", "1_000"])
 def test_bad_deadline_header_is_422(http, deadline):
     response = http.post("/classify", content=encode(photo("chelsea")), headers={"X-Deadline-Ms": deadline})
     assert response.status_code == 422 and response.json()["error"]["code"] == "invalid_parameter"
+
+
+@pytest.mark.parametrize("headers", [[("X-Deadline-Ms", "1000"), ("X-Deadline-Ms", "5")],
+                                     [("X-Priority", "high"), ("X-Priority", "low")]], ids=["deadline", "priority"])
+def test_a_header_repeated_with_different_values_is_422_and_the_next_request_is_served(http, headers):
+    body = encode(photo("chelsea"))
+    response = http.post("/classify", content=body, headers=headers)
+    assert response.status_code == 422 and "different values" in response.json()["error"]["message"], response.text
+    assert http.post("/classify", content=body, headers=headers[:1] * 2).status_code == 200  # the same value twice
 
 
 @pytest.mark.parametrize(

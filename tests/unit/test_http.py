@@ -55,16 +55,36 @@ def test_no_header_is_the_default_deadline_sliced_by_the_settings():
 
 
 @pytest.mark.parametrize("raw, budget_ms", [("500", 500), ("250.5", 250.5), ("50", 50), ("1e3", 1000),
-                                             ("60000", 60_000), ("60001", 60_000), ("1e9", 60_000)])
+                                             ("60000", 60_000), ("60001", 60_000), ("1e9", 60_000), ("+500", 500),
+                                             (" 500\t", 500), ("500.", 500), ("1E+3", 1000)])
 def test_a_valid_header_is_the_budget_capped_at_max_deadline_ms(raw, budget_ms):
     assert http.parse_deadline(request({"X-Deadline-Ms": raw}), SETTINGS).budget_ms == budget_ms
 
 
-@pytest.mark.parametrize("raw", ["", "abc", "0", "-5", "nan", "inf", "-inf", "1e400", "5ms"])
+@pytest.mark.parametrize("raw", ["", "abc", "0", "-5", "nan", "inf", "-inf", "1e400", "5ms", "1_000", "0x100",
+                                 "infinity", "1e", ".", "++5"])
 def test_an_invalid_header_is_422_invalid_parameter(raw):
     with pytest.raises(errors.InvalidParameter) as error:
         http.parse_deadline(request({"X-Deadline-Ms": raw}), SETTINGS)
     assert error.value.status == 422 and error.value.code == "invalid_parameter"
+
+
+def raw_request(*headers: tuple[str, str]) -> Request:
+    """A ``POST /`` request with ``headers`` as given, repeats included."""
+    raw = [(name.lower().encode("latin-1"), value.encode("utf-8")) for name, value in headers]
+    return Request({"type": "http", "method": "POST", "path": "/", "query_string": b"", "headers": raw}, Body(b""))
+
+
+@pytest.mark.parametrize("name", ["X-Deadline-Ms", "X-Priority"])
+def test_a_header_sent_twice_with_different_values_is_422_and_with_the_same_value_is_read(name):
+    first, second = ("1000", "5") if name == "X-Deadline-Ms" else ("high", "low")
+    readers = [lambda r: http.parse_deadline(r, SETTINGS)] + ([http.parse_priority] if name == "X-Priority" else [])
+    for parse in readers:  # the deadline reads X-Priority too (a low request's default deadline)
+        with pytest.raises(errors.InvalidParameter, match=f"{name.lower()} is sent 2 times with different values"):
+            parse(raw_request((name, first), (name, second)))
+    same = raw_request((name, first), (name, first))
+    assert (http.parse_deadline(same, SETTINGS).budget_ms == 1000 if name == "X-Deadline-Ms"
+            else http.parse_priority(same) == "high")
 
 
 @pytest.mark.parametrize("raw, settings", [("49.9", {}), ("20", {}), ("0.5", {}), ("59", {"min_service_ms": 40}),
