@@ -23,12 +23,19 @@ class ModelInfo(BaseModel):
 
 
 class Timings(BaseModel):
-    """Stage timings in milliseconds, measured by the server."""
+    """Stage timings in milliseconds, measured by the server (docs/api.md, "Timings").
+
+    ``before_handler``: from the request's arrival (its first byte, or a load balancer's ``X-Request-Start``) to
+    the handler's start; then, once the body is read: ``decode``; ``inference``: the answering model's batch;
+    ``queue``: the rest, waiting for admission and for a model that did not answer (a primary that timed out)
+    included; ``total``: decode + queue + inference. ``before_handler`` is None from servers older than the field.
+    """
 
     decode: float
     queue: float
     inference: float
     total: float
+    before_handler: float | None = None
 
 
 class Prediction(BaseModel):

@@ -23,6 +23,9 @@ def test_sync_client_accepts_path_bytes_and_pil(server, tmp_path):
             assert isinstance(prediction, Prediction)
             assert {label.index for label in prediction.labels} & PHOTOS["chelsea"]
             assert not prediction.degraded and prediction.top.score >= prediction.labels[-1].score
+            timings = prediction.timings_ms  # every stage the server sends, before_handler included
+            assert timings.before_handler is not None and timings.before_handler >= 0
+            assert timings.total == pytest.approx(timings.decode + timings.queue + timings.inference, abs=0.01)
 
 
 def test_async_client_classifies_concurrently(server):
