@@ -179,7 +179,8 @@ class ConnectionSettings(_Group):
     # Its A/B arm is false.
     cancel_on_hang_up: bool = Field(True, description="a request whose client closes the connection after its body "
                                     "is stopped where it waits and its places released "
-                                    "([overload.md](overload.md#clients-that-hang-up)); false: it runs to the end")
+                                    "([overload.md](overload.md#clients-that-hang-up)); false: it runs to the end, "
+                                    "and a client that only half-closed gets its answer")
     # Behind nginx (which buffers a body before it sends it on) bodies arrive at loopback speed.
     min_body_bytes_per_s: int = Field(16384, ge=0, description="a request holds an in-flight place only once its "
                                       "body is in; after `BODY_GRACE_MS` its body must arrive at this rate (at t "

@@ -127,6 +127,13 @@ TARGETS: tuple[Target, ...] = (
            "cb21def75e9f4fb1127964b76b35be52c31fe0467d2146d19e2c122dde6e016a"),
     Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "HttpToolsProtocol._should_upgrade",
            "9238465204aa4122894396d34940cabae95f81a26bb6c9e2fc14bf72309d1dfd"),
+    # A client's FIN: uvicorn's eof_received lets the transport close (the request sees its client gone through
+    # connection_lost); HeadLimitedProtocol.eof_received keeps it open to answer a half-closed client when hang-ups
+    # are not cancelled.
+    Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "HttpToolsProtocol.eof_received",
+           "f4dfb06a79ddcba0ac10c4d4f70e45b0df493178ef5bb6a65f2f77972e07ec69"),
+    Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "HttpToolsProtocol.connection_lost",
+           "c5567cca5922d934fbd4dd5e9c694d38bd832052e858a384e0e71618fbac030b"),
     # Replaced: uvicorn's plain-text 400 for bytes the parser refuses (a JSON malformed_request instead).
     Target("uvicorn_httptools.limit_request_heads", _HTTPTOOLS, "HttpToolsProtocol.send_400_response",
            "62719a7bb676f7ad062d22d296fe10ab3899d45530d932524a5b1cfbed745a34"),

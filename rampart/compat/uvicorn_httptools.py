@@ -160,6 +160,9 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     head_timeout_s = ConnectionSettings.model_fields["request_head_timeout_ms"].default / 1000
     #: Seconds an idle keep-alive connection is kept; replaces uvicorn's ``timeout_keep_alive``.
     keep_alive_timeout_s = ConnectionSettings.model_fields["keep_alive_timeout_s"].default
+    #: Whether a client that half-closes after a whole request still gets its answer (``eof_received``): only when
+    #: hang-ups are not cancelled (``cancel_on_hang_up`` false); set by ``limit_request_heads``.
+    answer_half_closed = not ConnectionSettings.model_fields["cancel_on_hang_up"].default
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -183,6 +186,19 @@ class HeadLimitedProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
         super().connection_lost(exc)
+
+    def eof_received(self) -> bool | None:
+        """The client sent its FIN. TCP shows a half-close (``shutdown(SHUT_WR)`` after the request, then reading
+        the answer, as ``nc -N`` does) and a close alike. With ``answer_half_closed`` and whole requests not yet
+        answered, the transport stays open: they are answered in order, the last (``self.cycle``, the newest) with
+        ``connection: close``, and the connection closed after it. Otherwise, as uvicorn does (``None``), the transport closes and the request sees its
+        client gone: with ``cancel_on_hang_up`` (the default) it stops spending, as nginx ends a request whose
+        client closed unless ``proxy_ignore_client_abort`` is on."""
+        cycle = self.cycle
+        if self.answer_half_closed and self._in_head and cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False
+            return True
+        return None
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -423,6 +439,7 @@ def limit_request_heads(settings: Settings | None = None) -> None:
     settings = settings or get_settings()
     HeadLimitedProtocol.head_timeout_s = settings.connections.request_head_timeout_ms / 1000
     HeadLimitedProtocol.keep_alive_timeout_s = settings.connections.keep_alive_timeout_s
+    HeadLimitedProtocol.answer_half_closed = not settings.connections.cancel_on_hang_up
 
     target = f"{__name__}:{HeadLimitedProtocol.__name__}"
     config.HTTP_PROTOCOLS["auto"] = target

@@ -361,3 +361,38 @@ def test_a_keep_alive_client_answered_before_its_upload_arrived_sends_its_next_r
         assert len(FastProtocol.made) == 1 + 3  # each early answer ended its connection (a GET's is kept alive)
 
     serving(test)
+
+
+async def slow_hello(scope, receive, send) -> None:
+    """Reads the whole request, answers 200 after 0.2 s (a request in progress when the client's FIN comes)."""
+    while (await receive()).get("more_body"):
+        pass
+    await asyncio.sleep(0.2)
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+    await send({"type": "http.response.body", "body": b"ok"})
+
+
+@pytest.mark.parametrize("answer_half_closed", [True, False], ids=["answered", "gone"])
+def test_a_client_that_half_closes_after_its_request_is_answered_only_when_hang_ups_are_not_cancelled(
+        monkeypatch, answer_half_closed):
+    """``shutdown(SHUT_WR)`` after two whole requests: uvicorn closed the transport at the FIN, so nothing could be
+    answered. With ``answer_half_closed`` (``cancel_on_hang_up`` false) both answers come, then the close; without
+    it (the default) the client is gone, as before, and nothing is answered."""
+    monkeypatch.setattr(FastProtocol, "answer_half_closed", answer_half_closed)
+
+    async def test(port: int) -> None:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 4\r\n\r\nbody" + REQUEST)  # one queued behind
+        await writer.drain()
+        writer.write_eof()
+        reply = await asyncio.wait_for(reader.read(), HEAD_S + MARGIN_S * 3)  # to the server's close
+        writer.close()
+        if answer_half_closed:  # both requests, in order; the last says it closes
+            first, _, last = reply.partition(b"ok")
+            assert first.startswith(b"HTTP/1.1 200") and b"connection: close" not in first.lower(), reply
+            assert last.startswith(b"HTTP/1.1 200") and last.endswith(b"ok"), reply
+            assert b"connection: close" in last.lower(), reply
+        else:
+            assert reply == b"", reply
+
+    serving(test, slow_hello)
