@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import statistics
 
 from bench.loadgen import closed_loop, load_bodies, open_loop, summarize
 from tests.support import SLACK_MS
@@ -45,7 +46,9 @@ LOW_CLIENTS = 24
 #: With CPU placement by weight (the default since 2026-12-04), 7 runs on the 2-core host on 2026-12-06: 0.83, 0.86,
 #: 0.91, 0.99, 1.05, 1.05 and 1.18 (median 0.99): the goal holds in each, one within 2% of it, so a shared CI host
 #: would fail it now and then; still asserted at 1.5. More samples do not settle it: 8 rounds a run, the same day,
-#: 0.84, 1.02, 1.18 and 1.21 (docs/planning.md, "Worked example").
+#: 0.84, 1.02, 1.18 and 1.21 (docs/planning.md, "Worked example"). The report also gives each round's ratio: in
+#: three undisturbed runs later that day (pooled 1.28, 1.10, 1.15) rounds went from 0.79 to 1.70, so one round whose
+#: host stalled sets the pooled P99.
 P99_RATIO = 1.5
 #: Normal requests answered by the primary beside the low stream: at least this share of those without it
 #: (low work never displaces normal work onto the fallback; the P99 alone would not show it: fallback
@@ -78,11 +81,13 @@ def test_low_priority_fills_idle_capacity_without_slowing_normal_traffic_and_nev
     assert c_p > 0, summarize(capacity, CAPACITY_S)
 
     rate = NORMAL_SHARE * c_p
-    alone, beside, low, in_rounds = [], [], [], []
+    alone, beside, low, in_rounds, round_ratios = [], [], [], [], []
     for i in range(ROUNDS):
         in_rounds += asyncio.run(closed_loop(url, bodies, CAPACITY_CLIENTS, CAPACITY_ROUND_S))
-        alone += asyncio.run(_side_by_side(url, bodies, rate, PHASE_S, seed=i, low=False))[0]
+        round_alone = asyncio.run(_side_by_side(url, bodies, rate, PHASE_S, seed=i, low=False))[0]
         normal, low_samples = asyncio.run(_side_by_side(url, bodies, rate, PHASE_S, seed=i, low=True))
+        round_ratios.append(round(summarize(normal, PHASE_S)["p99_ms"] / summarize(round_alone, PHASE_S)["p99_ms"], 2))
+        alone += round_alone
         beside += normal
         low += low_samples
     seconds = ROUNDS * PHASE_S
@@ -96,6 +101,7 @@ def test_low_priority_fills_idle_capacity_without_slowing_normal_traffic_and_nev
               "normal_by_primary_alone": round(_in_time_by_primary(alone) / max(len(alone), 1), 2),
               "normal_by_primary_beside": round(_in_time_by_primary(beside) / max(len(beside), 1), 2),
               "p99_alone_ms": p99_alone, "p99_beside_ms": p99_beside, "p99_ratio": round(p99_beside / p99_alone, 2),
+              "p99_ratio_by_round": round_ratios, "p99_ratio_median_of_rounds": statistics.median(round_ratios),
               "normal_alone": summarize(alone, seconds), "normal_beside": summarize(beside, seconds),
               "low": summarize(low, seconds)}
     print("low priority beside normal:", json.dumps(report))
