@@ -122,9 +122,9 @@ def top_k_of(raw: str) -> int:
     return top_k
 
 
-#: A number of milliseconds as HTTP clients write one (JSON's grammar, with an optional ``+``): Python's ``float``
+#: A number of milliseconds as HTTP clients write one (JSON's grammar, with an optional sign): Python's ``float``
 #: also takes ``1_000``, ``infinity`` and ``nan``, which no client means.
-_MILLISECONDS = re.compile(r"\+?(?:[0-9]{1,20}(?:\.[0-9]{0,20})?|\.[0-9]{1,20})(?:[eE][+-]?[0-9]{1,3})?")
+_MILLISECONDS = re.compile(r"[+-]?(?:[0-9]{1,20}(?:\.[0-9]{0,20})?|\.[0-9]{1,20})(?:[eE][+-]?[0-9]{1,3})?")
 
 
 def single_header(request: Request, name: str) -> str | None:

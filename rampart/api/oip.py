@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import functools
 import io
 import itertools
@@ -82,7 +83,7 @@ from rampart.api.arrival import hold_body_bytes
 from rampart.api.http import JsonResponse
 from rampart.config import Settings
 from rampart.overload.deadline import Deadline, run_within
-from rampart.errors import (BodyTimeout, EmptyBody, ImageTooLarge, InternalError, InvalidParameter, MethodNotAllowed,
+from rampart.errors import (BodyTimeout, DeadlineTooShort, EmptyBody, ImageTooLarge, InternalError, InvalidParameter, MethodNotAllowed,
                             PayloadTooLarge, RampartError, UnsupportedFormat)
 
 __all__ = [
@@ -517,10 +518,26 @@ def request_options(request: Request, parameters: dict, settings: Settings, lag_
     counted from the same arrival. ``InvalidParameter`` (422) for any value out of its range or type.
     """
     view = _Parameters(request, parameters)
-    top_k, priority = http.parse_top_k(view), http.parse_priority(view)
+    top_k = http.parse_top_k(view)
+    with _named_as_parameter("X-Priority", "priority" if "priority" in parameters else None):
+        priority = http.parse_priority(view)
     if view.sets_deadline:  # counted from the same arrival as the header's
-        deadline = http.parse_deadline(view, settings, lag_ms, deadline.arrival)
+        with _named_as_parameter("X-Deadline-Ms", "deadline_ms" if "deadline_ms" in parameters else
+                                 "timeout (µs; the value shown is in ms)"):
+            deadline = http.parse_deadline(view, settings, lag_ms, deadline.arrival)
     return top_k, priority, deadline
+
+
+@contextlib.contextmanager
+def _named_as_parameter(header: str, parameter: str | None):
+    """Errors of a value that came from the request's ``parameter`` (not its ``header``) name the parameter: a
+    ``deadline_ms`` of -1 said "X-Deadline-Ms must be positive". ``parameter`` None: the header gave it."""
+    try:
+        yield
+    except (InvalidParameter, DeadlineTooShort) as error:
+        if parameter is None or header not in error.message:
+            raise
+        raise type(error)(error.message.replace(header, f"parameter {parameter}")) from None
 
 
 def _text(value: Any, name: str) -> str:

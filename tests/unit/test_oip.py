@@ -31,7 +31,7 @@ from rampart.api import http, oip
 from rampart.api.app import refuse_before_admission
 from rampart.config import Settings
 from rampart.overload.deadline import Deadline
-from rampart.errors import BodyTimeout, EmptyBody, InvalidParameter, PayloadTooLarge, RampartError
+from rampart.errors import BodyTimeout, DeadlineTooShort, EmptyBody, InvalidParameter, PayloadTooLarge, RampartError
 from tests.support import encode, photo
 from tests.support.oip import DEADLINE_MS, HOSTILE, answer, bad_request, image_input, image_json, pixels_json, texts
 from tests.unit.standins import CAT, COFFEE
@@ -187,6 +187,21 @@ def test_hostile_bodies_are_refused_with_a_client_error(body, header_length):
     with pytest.raises(RampartError) as refused:
         interpret(body, header_length)
     assert 400 <= refused.value.status < 500 and refused.value.message
+
+
+@pytest.mark.parametrize("parameters, error, named", [
+    ({"deadline_ms": -1}, InvalidParameter, "parameter deadline_ms must be positive"),
+    ({"deadline_ms": 10}, DeadlineTooShort, "parameter deadline_ms=10 is below the minimum"),
+    ({"timeout": -5}, InvalidParameter, "parameter timeout (µs; the value shown is in ms) must be positive"),
+    ({"priority": "urgent"}, InvalidParameter, "parameter priority must be"),
+])
+def test_a_bad_parameter_is_named_as_the_parameter_not_as_the_header_it_stands_for(parameters, error, named):
+    """``parameters.deadline_ms`` = -1 said "X-Deadline-Ms must be positive": the client sent no such header."""
+    request = Request({"type": "http", "method": "POST", "path": "/v2/models/rampart/infer", "headers": [],
+                       "query_string": b""})
+    with pytest.raises(error) as refused:
+        oip.request_options(request, parameters, Settings(), 0.0, http.parse_deadline(request, Settings()))
+    assert refused.value.message.startswith(named) and "X-" not in refused.value.message, refused.value.message
 
 
 def test_ten_million_empty_binary_elements_are_refused_on_their_declared_count():
