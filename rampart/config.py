@@ -22,7 +22,8 @@ environment through it, ``Settings(flat_name=value)`` folds keyword arguments in
 with it (tests and benchmarks construct settings that way; nested groups work too), and
 ``settings_table`` documents it (docs/configuration.md embeds its output; a unit test keeps
 the two equal; ``python -m rampart.config --table`` prints it). Unknown ``RAMPART_*`` variables
-are ignored by ``from_env``; unknown keyword arguments are refused.
+are ignored by ``from_env`` (one that nearly spells a setting is named in a warning); unknown keyword
+arguments are refused.
 
 Experiments. The ablation's switches (docs/benchmarks.md, "Ablation") are
 ``experiments.admission`` (``RAMPART_ADMISSION``: ``queue-bound``, ``off``),
@@ -37,18 +38,24 @@ nothing outside this module reads the flag.
 
 from __future__ import annotations
 
+import difflib
 import functools
+import logging
 import os
 import sys
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from rampart.inputs.decode_cost import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_JPEG_SCANS
 from rampart.overload.admission import ADMISSION_MODES
 from rampart.results import CONFIDENCE_KINDS
 
 ENV_PREFIX = "RAMPART_"
+#: A BentoML model tag, ``name`` or ``name:version`` (BentoML's tag rules: letters, digits, ``-``, ``_``, ``.``; a
+#: name lowercased by BentoML with a warning). An empty primary or fallback tag made every worker fail at start, and
+#: the server restarted them without end.
+MODEL_TAG_PATTERN = r"^[A-Za-z0-9](?:[-._A-Za-z0-9]{0,61}[A-Za-z0-9])?(?::[A-Za-z0-9][-._A-Za-z0-9]{0,127})?$"
 
 
 def default_cpu_threads(role: str, cores: int, gpu: bool, placement: str = "weight") -> int:
@@ -93,7 +100,8 @@ class ModelRoleSettings(_Group):
     never sheds first.
     """
 
-    model: str = Field(description="the model's tag in the BentoML model store (written by `python -m models.import_models`)")
+    model: str = Field(pattern=MODEL_TAG_PATTERN, description="the model's tag in the BentoML model store (written by "
+                       "`python -m models.import_models`)")
     max_batch_size: int = Field(ge=2, description="BentoML adaptive batching: the largest batch")
     max_latency_ms: int = Field(60_000, gt=0, description="BentoML adaptive batching: the latency the dispatcher "
                                 "never predicts past (it would cancel with 503; the longest deadline, so it never does)")
@@ -148,6 +156,13 @@ class InputSettings(_Group):
                             "GIF of full sub-blocks has about 80,000)")
     alpha_background: tuple[int, int, int] = Field((255, 255, 255), description="colour (RGB, 0..255, written "
                                                    "`255,255,255`) that transparent pixels are composited over")
+
+    @field_validator("alpha_background")
+    @classmethod
+    def _channels_in_range(cls, colour: tuple[int, int, int]) -> tuple[int, int, int]:
+        if not all(0 <= channel <= 255 for channel in colour):
+            raise ValueError(f"each channel must be in 0..255, got {','.join(map(str, colour))}")
+        return colour
     crop_margin: float = Field(1.14, ge=1.0, le=2.0, description="resize so the crop covers the bucket × this, then "
                                "centre-crop (1.14 ≈ 1/0.875, the EfficientNet reference crop)")
     max_batch_images: int = Field(16, ge=1, description="images per `/classify_batch`")
@@ -329,7 +344,8 @@ class ShadowSettings(_Group):
     for a second.
     """
 
-    model: str = Field("", description="a candidate model's store tag; empty: off (no third runner)")
+    model: str = Field("", pattern=f"^$|{MODEL_TAG_PATTERN}", description="a candidate model's store tag; empty: off "
+                       "(no third runner)")
     rate: float = Field(0.1, ge=0.0, le=1.0, description="share of model-answered `/classify` requests mirrored to "
                         "the candidate after the answer is sent (see [Shadow traffic](overload.md#shadow-traffic))")
     deadline_ms: int = Field(1000, gt=0, description="the candidate's own deadline per mirrored request")
@@ -598,6 +614,7 @@ class Settings(BaseModel):
         variables are ignored. Raises ``pydantic.ValidationError`` for a malformed or out-of-range value.
         """
         environ = os.environ if environ is None else environ
+        _warn_of_misspelt_variables(environ)
         values: dict[str, object] = {}
         for name in FLAT_NAMES:
             raw = environ.get(ENV_PREFIX + name.upper())
@@ -605,6 +622,21 @@ class Settings(BaseModel):
                 continue
             values[name] = raw.split(",") if _field(name).annotation == tuple[int, int, int] else raw
         return cls.model_validate(values)
+
+
+def _warn_of_misspelt_variables(environ) -> list[str]:
+    """Log a warning for each ``RAMPART_*`` variable that is no setting but nearly spells one
+    (``RAMPART_MAX_BODY_BYTE``): it is ignored, as every unknown variable is (scripts have their own, such as
+    ``RAMPART_URL``), so a typo would otherwise leave the default in force unnoticed. Returns the warnings."""
+    known = [ENV_PREFIX + name.upper() for name in FLAT_NAMES]
+    warnings = []
+    for variable in environ:
+        if variable.startswith(ENV_PREFIX) and variable not in known:
+            close = difflib.get_close_matches(variable.upper(), known, n=1, cutoff=0.85)
+            if close:
+                warnings.append(f"{variable} is not a setting and is ignored; did you mean {close[0]}?")
+                logging.getLogger("rampart.config").warning(warnings[-1])
+    return warnings
 
 
 def _field(name: str):

@@ -108,3 +108,35 @@ def test_the_table_command_prints_the_table():
     printed = subprocess.run([sys.executable, "-m", "rampart.config", "--table"], capture_output=True, text=True,
                              check=True).stdout
     assert printed == settings_table() and len(printed.splitlines()) == len(FLAT_NAMES) + 2
+
+
+@pytest.mark.parametrize("variable, value", [("RAMPART_PRIMARY_MODEL", ""), ("RAMPART_FALLBACK_MODEL", " "),
+                                             ("RAMPART_PRIMARY_MODEL", "rampart primary"),
+                                             ("RAMPART_SHADOW_MODEL", "candidate:"),
+                                             ("RAMPART_ALPHA_BACKGROUND", "300,-1,0")])
+def test_an_empty_or_malformed_model_tag_and_a_colour_out_of_range_are_refused(variable, value):
+    """An empty primary tag passed, and every worker then failed at start: the server restarted them without end.
+    A colour channel of 300 was taken (and composited as something else)."""
+    with pytest.raises(pydantic.ValidationError):
+        Settings.from_env({variable: value})
+
+
+@pytest.mark.parametrize("variable, value", [("RAMPART_PRIMARY_MODEL", "rampart-primary:huscvbxmdwz4cax4"),
+                                             ("RAMPART_SHADOW_MODEL", ""), ("RAMPART_SHADOW_MODEL", "candidate.v2:v9"),
+                                             ("RAMPART_ALPHA_BACKGROUND", "0,128,255")])
+def test_well_formed_tags_and_colours_are_taken(variable, value):
+    Settings.from_env({variable: value})
+
+
+def test_a_variable_that_nearly_spells_a_setting_is_named_in_a_warning(caplog):
+    from rampart.config import _warn_of_misspelt_variables
+
+    environ = {"RAMPART_MAX_BODY_BYTE": "10", "RAMPART_DEFAUlT_DEADLINE_MS": "5", "RAMPART_URL": "http://x",
+               "RAMPART_PYTHON": "python3", "RAMPART_MAX_BODY_BYTES": "100"}
+    with caplog.at_level("WARNING", logger="rampart.config"):
+        settings = Settings.from_env(environ)
+    assert settings.inputs.max_body_bytes == 100 and settings.deadlines.default_deadline_ms == 1000  # typos ignored
+    assert _warn_of_misspelt_variables(environ) == [
+        "RAMPART_MAX_BODY_BYTE is not a setting and is ignored; did you mean RAMPART_MAX_BODY_BYTES?",
+        "RAMPART_DEFAUlT_DEADLINE_MS is not a setting and is ignored; did you mean RAMPART_DEFAULT_DEADLINE_MS?"]
+    assert "RAMPART_MAX_BODY_BYTE is not a setting" in caplog.text and "RAMPART_URL" not in caplog.text
