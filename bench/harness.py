@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +41,7 @@ from bench.process_cpu import ROLES, ServerCpu, process_role, server_processes
 from inference.timing_cache import DIRNAME as TIMING_CACHE_DIRNAME, TimingCache
 
 __all__ = ["ROOT", "BIN", "SLO_MS", "START_TIMEOUT_S", "STOP_TIMEOUT_S", "Sizes", "private_bentoml_home", "share_timing_cache", "free_port",
-           "stop_process_group", "signal_tree", "stop_tree", "Server", "Service", "Replica", "measure_service", "scenario_parser",
+           "stop_process_group", "signal_tree", "exit_on_sigterm", "stop_tree", "Server", "Service", "Replica", "measure_service", "scenario_parser",
            "run_scenario",
            "machine", "ratio",
            "ROLES", "ServerCpu", "process_role", "server_processes"]
@@ -177,6 +178,15 @@ def stop_tree(pid: int, timeout_s: float = STOP_TIMEOUT_S) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=10)
+
+
+def exit_on_sigterm() -> None:
+    """Make SIGTERM (a job's timeout, ``kill``) raise ``SystemExit(143)`` in this process's main thread, so that the
+    ``finally`` blocks that stop its servers run. A ``Server`` runs in a session of its own, so a command killed by
+    SIGTERM's default action left whole servers running (a planner run under ``timeout`` left four). A no-op
+    outside the main thread, where Python cannot set a handler."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
 
 
 class Server:
@@ -333,6 +343,7 @@ def run_scenario(prog: str, description: str, run, argv: list[str] | None = None
     return ``run(out, quick, command)``, where ``command`` is ``prog`` (with `` --quick`` when given), recorded in
     the scenario's JSON."""
     args = scenario_parser(prog, description, **parser_options).parse_args(argv)
+    exit_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     return run(args.out, args.quick, prog + (" --quick" if args.quick else ""))
 

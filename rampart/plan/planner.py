@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import tempfile
@@ -71,6 +72,16 @@ def _rss_bytes(pid: int, root_role: str = "supervisor") -> int:
     return total
 
 
+def knee_of(steps: list[dict], p99_ms: float) -> dict:
+    """The ramp step with the most goodput among those with P99 <= ``p99_ms`` (ms) and at most 1% errors, with
+    ``meets_target`` true; when none qualifies, the step with the lowest P99 and ``meets_target`` false (the plan
+    is then refused: no step supports it). ``steps``: dicts with ``goodput_rps``, ``p99_ms`` (None: no answer),
+    ``error_rate``."""
+    within = [s for s in steps if s["p99_ms"] is not None and s["p99_ms"] <= p99_ms and s["error_rate"] <= 0.01]
+    knee = max(within, key=lambda s: s["goodput_rps"]) if within else min(steps, key=lambda s: s["p99_ms"] or 1e9)
+    return {**knee, "meets_target": bool(within)}
+
+
 def measure(url: str, pid: int, p99_ms: float, deadline_ms: float, quick: bool) -> dict:
     """Measure the server at ``url`` (``.../classify``; its process tree under ``pid``): see the module doc.
     Times in ms, rates in requests/s, memory in bytes."""
@@ -88,8 +99,7 @@ def measure(url: str, pid: int, p99_ms: float, deadline_ms: float, quick: bool) 
                       "goodput_rps": summary["goodput_rps"], "p50_ms": summary["p50_ms"], "p99_ms": summary["p99_ms"],
                       "primary_rps": round(_by_model(samples, PRIMARY) / steps_cfg["step_s"], 2),
                       "error_rate": round(1 - summary["ok"] / max(summary["requests"], 1), 4)})
-    within = [s for s in steps if s["p99_ms"] is not None and s["p99_ms"] <= p99_ms and s["error_rate"] <= 0.01]
-    knee = max(within, key=lambda s: s["goodput_rps"]) if within else min(steps, key=lambda s: s["p99_ms"] or 1e9)
+    knee = knee_of(steps, p99_ms)
 
     cpu = ServerCpu(pid)
     cpu.start()
@@ -255,19 +265,26 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.peak_rps <= 0 or args.p99_ms <= 0 or not 0 <= args.degraded_share < 1:
-        print("--peak-rps and --p99-ms must be positive, --degraded-share in [0, 1)", file=sys.stderr)
+    finite = all(math.isfinite(value) for value in (args.peak_rps, args.p99_ms, args.degraded_share,
+                                                      args.deadline_ms or 1.0))
+    if not finite or args.peak_rps <= 0 or args.p99_ms <= 0 or not 0 <= args.degraded_share < 1:
+        print("--peak-rps and --p99-ms must be positive finite numbers, --degraded-share in [0, 1)", file=sys.stderr)
         return 2
     if (args.url is None) != (args.pid is None):
         print("--url and --pid go together", file=sys.stderr)
         return 2
     settings = Settings.from_env()
-    deadline_ms = args.deadline_ms or settings.deadlines.default_deadline_ms
+    deadline_ms = settings.deadlines.default_deadline_ms if args.deadline_ms is None else args.deadline_ms
+    if not settings.min_deadline_ms <= deadline_ms <= settings.deadlines.max_deadline_ms:
+        print(f"--deadline-ms must be in {settings.min_deadline_ms}..{settings.deadlines.max_deadline_ms} (the server's "
+              f"min_deadline_ms and max_deadline_ms), got {deadline_ms:g}", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     service = None
     if args.url is None:
-        from bench.harness import Service
+        from bench.harness import Service, exit_on_sigterm
 
+        exit_on_sigterm()  # a job's timeout stops the server this command starts
         service = Service("rampart", Path(tempfile.mkdtemp(prefix="rampart-plan-")))
         service.wait_ready(load_bodies())
         url, pid = service.url, service.process.pid
@@ -280,12 +297,20 @@ def main(argv: list[str] | None = None) -> int:
         if service is not None:
             service.stop()
     planned = plan(measured, args.peak_rps, args.p99_ms, deadline_ms, args.degraded_share, settings)
-    overlay = write_overlay(planned, args.out / "overlay")
+    met = measured["knee"]["meets_target"]
+    overlay = write_overlay(planned, args.out / "overlay") if met else None
     plot(measured, planned, args.p99_ms, args.out / "plan.png")
     report = {"inputs": {"peak_rps": args.peak_rps, "p99_ms": args.p99_ms, "deadline_ms": deadline_ms,
                          "degraded_share": args.degraded_share, "quick": args.quick},
-              "measured": measured, **planned, "overlay": str(overlay), "measured_s": round(time.time() - started, 1)}
+              "target_met": met, "measured": measured, **planned, "overlay": str(overlay) if met else None,
+              "measured_s": round(time.time() - started, 1)}
     (args.out / "plan.json").write_text(json.dumps(report, indent=2))
+    if not met:
+        knee = measured["knee"]
+        print(f"no measured step met P99 <= {args.p99_ms:g} ms with at most 1% errors (the best: P99 {knee['p99_ms']} ms, "
+              f"errors {knee['error_rate']:.0%}, at {knee['clients']} clients): no plan; wrote {args.out}/plan.json "
+              "and plan.png, no overlay", file=sys.stderr)
+        return 1
     fleet = planned["fleet"]
     print(f"{fleet['replicas']} replicas ({fleet['rps_per_replica']} req/s each; knee {measured['knee']['goodput_rps']} "
           f"req/s, C_p {measured['primary_capacity_rps']} req/s); wrote {args.out}/plan.json, plan.png, overlay/")

@@ -4,6 +4,7 @@ subprocesses (no BentoML server): log, private BentoML home, readiness, stop by 
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -102,3 +103,21 @@ def test_the_step_sizes_are_the_load_benchmark_s():
     assert full.batch_sizes == [1, 2, 4, 8, 16, 32, 64] and full.repeats == 3
     assert full.sweep_connections == (1, 4, 16, 64, 256)
     assert quick == Sizes([1, 4], 1, [1, 8], 1.0, [5.0], 1.0, (1, 4), 1.0, 1.0)
+
+
+def test_sigterm_to_a_command_that_started_a_server_stops_the_server(tmp_path):
+    """A server runs in a session of its own: a command killed by SIGTERM's default action (a job's timeout) left
+    it running. With ``exit_on_sigterm`` the command's ``finally`` stops it."""
+    script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parents[2])!r})\n"
+              "from pathlib import Path\nfrom bench.harness import Server, exit_on_sigterm\n"
+              f"from tests.unit.test_harness import sleeper\nexit_on_sigterm()\n"
+              f"server = Server('s', sleeper, Path({str(tmp_path)!r}) / 's.log', home=Path({str(tmp_path)!r}) / 'h')\n"
+              "try:\n    print(server.pid, flush=True)\n    import time; time.sleep(60)\n"
+              "finally:\n    server.stop_group()\n")
+    command = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    server_pid = int(command.stdout.readline())
+    assert psutil.pid_exists(server_pid)
+    command.send_signal(signal.SIGTERM)
+    assert command.wait(timeout=20) == 128 + signal.SIGTERM
+    psutil.wait_procs([psutil.Process(server_pid)] if psutil.pid_exists(server_pid) else [], timeout=10)
+    assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE

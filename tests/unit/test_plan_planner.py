@@ -3,6 +3,7 @@ server)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 
@@ -10,7 +11,8 @@ import pytest
 import yaml
 
 from rampart.config import FLAT_NAMES, Settings
-from rampart.plan.planner import plan, plot, write_overlay
+from rampart.plan import planner
+from rampart.plan.planner import knee_of, plan, plot, write_overlay
 from tests.support.deploy import validate
 
 MEASURED = {
@@ -60,3 +62,32 @@ def test_the_overlay_renders_and_validates(tmp_path):
         assert name.removeprefix("RAMPART_").lower() in FLAT_NAMES, name
     assert (scaled["spec"]["minReplicaCount"], scaled["spec"]["maxReplicaCount"]) == (2, 8)
     assert scaled["spec"]["triggers"][0]["metadata"]["threshold"] == str(planned["fleet"]["queue_wait_threshold_s"])
+
+
+def test_the_knee_is_the_best_step_within_the_target_and_says_when_none_is():
+    steps = MEASURED["ramp"]
+    assert knee_of(steps, 1000) == {**steps[2], "meets_target": True}  # 40 req/s at P99 700 ms
+    assert knee_of(steps, 1) == {**steps[0], "meets_target": False}  # none: the lowest P99, flagged
+    failing = [{**step, "error_rate": 1.0} for step in steps]  # a deadline no request met
+    assert knee_of(failing, 1000)["meets_target"] is False
+
+
+@pytest.mark.parametrize("arguments", [["--peak-rps", "nan"], ["--peak-rps", "inf"], ["--p99-ms", "nan"],
+                                       ["--deadline-ms", "10"], ["--deadline-ms", "0"], ["--deadline-ms", "1e9"],
+                                       ["--degraded-share", "nan"]])
+def test_arguments_no_plan_can_use_are_refused_before_anything_runs(arguments, capsys):
+    given = {"--peak-rps": "20", "--p99-ms": "1000"}
+    given.update(dict(zip(arguments[::2], arguments[1::2])))
+    assert planner.main([item for pair in given.items() for item in pair]) == 2
+    assert "must be" in capsys.readouterr().err
+
+
+def test_a_target_no_step_met_writes_no_plan_and_no_overlay(tmp_path, monkeypatch, capsys):
+    """Fault injected: ``measure`` returns a ramp none of whose steps met P99 <= 1 ms (a real --quick run
+    gave this and a confident 2-replica plan, exit 0)."""
+    unmet = {**MEASURED, "knee": knee_of(MEASURED["ramp"], 1)}
+    monkeypatch.setattr(planner, "measure", lambda *args: unmet)
+    code = planner.main(["--peak-rps", "20", "--p99-ms", "1", "--out", str(tmp_path), "--url", "http://x", "--pid", "1"])
+    assert code == 1 and "no measured step met P99 <= 1 ms" in capsys.readouterr().err
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["target_met"] is False and report["overlay"] is None and not (tmp_path / "overlay").exists()
