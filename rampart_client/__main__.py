@@ -21,6 +21,18 @@ PROG = "rampart-client"
 DEFAULT_URL = "http://127.0.0.1:3000"
 
 
+def _positive_seconds(text: str) -> float:
+    """``--timeout``: a positive finite number of seconds (``-1`` ended in httpx's traceback, ``0`` in a confusing
+    connection error); else argparse's usage error, exit status 2."""
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive finite number of seconds, got {text}")
+    return seconds
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line: ``classify`` with its options, every one with help and its default shown."""
     formatter = argparse.ArgumentDefaultsHelpFormatter
@@ -42,7 +54,8 @@ def parser() -> argparse.ArgumentParser:
                                "default_deadline_ms")
     classify.add_argument("--priority", choices=PRIORITIES, default=None,
                           help="X-Priority; none: the server's default, normal")
-    classify.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="HTTP timeout per request, s")
+    classify.add_argument("--timeout", type=_positive_seconds, default=DEFAULT_TIMEOUT_S,
+                          help="HTTP timeout per request, s")
     classify.add_argument("--json", action="store_true",
                           help="print one JSON document (a list, one object per image) instead of text")
     return top

@@ -7,6 +7,8 @@ import argparse
 import subprocess
 import sys
 
+import pytest
+
 from bench import loadgen
 from rampart_client.__main__ import PROG, parser
 from tests.support import ROOT
@@ -60,3 +62,11 @@ def test_the_cli_and_the_sdk_know_the_three_priority_classes():
 
     assert rampart_client.PRIORITIES == PRIORITIES  # the SDK's list is the server's
     assert parser().parse_args(["classify", "x.jpg", "--priority", "low"]).priority == "low"
+
+
+@pytest.mark.parametrize("timeout", ["-1", "0", "nan", "inf", "soon"])
+def test_a_timeout_that_is_not_a_positive_number_is_a_usage_error(timeout, capsys):
+    """``--timeout -1`` ended in httpx's ``ValueError`` traceback (exit 1)."""
+    with pytest.raises(SystemExit) as exited:
+        parser().parse_args(["classify", "cat.jpg", "--timeout", timeout])
+    assert exited.value.code == 2 and "--timeout" in capsys.readouterr().err
