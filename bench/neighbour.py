@@ -14,7 +14,7 @@ batches of ``BATCH`` random 260×260 images) pinned to CPU 0, while CPU 1 runs o
 
 For each it reports the primary's median milliseconds per image (wall and CPU) and, per round, the
 ratio to ``idle`` of the same round. It writes ``neighbour.json`` and ``neighbour.png``.
-docs/overload.md ("What is left on this host") reports it. Needs at least 2 CPUs and the imported
+docs/overload.md ("Predicting completion") reports it. Needs at least 2 CPUs and the imported
 models (``python -m models.import_models``).
 """
 
@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import machine, run_scenario
+from bench.harness import ROOT, machine, run_scenario
 
 BATCH = 4
 MEASURE_S = 5.0
@@ -92,7 +92,7 @@ def per_image_ms(forward, seconds: float) -> dict:
 def with_neighbour(name: str, forward, seconds: float) -> dict:
     """``per_image_ms`` while neighbour ``name`` runs on ``NEIGHBOUR_CPU`` (started ``SETTLE_S`` before)."""
     code = NEIGHBOURS[name]
-    process = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1]) if code else None
+    process = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT) if code else None
     try:
         time.sleep(SETTLE_S if code else 0.0)
         if process is not None and process.poll() is not None:

@@ -156,13 +156,6 @@ class InputSettings(_Group):
                             "GIF of full sub-blocks has about 80,000)")
     alpha_background: tuple[int, int, int] = Field((255, 255, 255), description="colour (RGB, 0..255, written "
                                                    "`255,255,255`) that transparent pixels are composited over")
-
-    @field_validator("alpha_background")
-    @classmethod
-    def _channels_in_range(cls, colour: tuple[int, int, int]) -> tuple[int, int, int]:
-        if not all(0 <= channel <= 255 for channel in colour):
-            raise ValueError(f"each channel must be in 0..255, got {','.join(map(str, colour))}")
-        return colour
     crop_margin: float = Field(1.14, ge=1.0, le=2.0, description="resize so the crop covers the bucket × this, then "
                                "centre-crop (1.14 ≈ 1/0.875, the EfficientNet reference crop)")
     max_batch_images: int = Field(16, ge=1, description="images per `/classify_batch`")
@@ -174,6 +167,13 @@ class InputSettings(_Group):
                                      "pass it gets 429 `overloaded` (unless it is the only one holding any), and "
                                      "one larger than a single `/classify` upload may fill only three quarters "
                                      "of it, leaving the rest to single uploads ([api.md](api.md#bodies-held-at-once))")
+
+    @field_validator("alpha_background")
+    @classmethod
+    def _channels_in_range(cls, colour: tuple[int, int, int]) -> tuple[int, int, int]:
+        if not all(0 <= channel <= 255 for channel in colour):
+            raise ValueError(f"each channel must be in 0..255, got {','.join(map(str, colour))}")
+        return colour
 
 
 class ConnectionSettings(_Group):

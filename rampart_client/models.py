@@ -23,7 +23,7 @@ class ModelInfo(BaseModel):
 
 
 class Timings(BaseModel):
-    """Stage timings in milliseconds, measured by the server (docs/api.md, "Timings").
+    """Stage timings in milliseconds, measured by the server (docs/api.md, the answer's ``timings_ms``).
 
     ``before_handler``: from the request's arrival (its first byte, or a load balancer's ``X-Request-Start``) to
     the handler's start; then, once the body is read: ``decode``; ``inference``: the answering model's batch;

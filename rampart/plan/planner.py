@@ -265,8 +265,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    finite = all(math.isfinite(value) for value in (args.peak_rps, args.p99_ms, args.degraded_share,
-                                                      args.deadline_ms or 1.0))
+    finite = all(math.isfinite(value) for value in (args.peak_rps, args.p99_ms, args.degraded_share))
     if not finite or args.peak_rps <= 0 or args.p99_ms <= 0 or not 0 <= args.degraded_share < 1:
         print("--peak-rps and --p99-ms must be positive finite numbers, --degraded-share in [0, 1)", file=sys.stderr)
         return 2
