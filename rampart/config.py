@@ -45,7 +45,7 @@ import os
 import sys
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rampart.inputs.decode_cost import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_JPEG_SCANS
 from rampart.overload.admission import ADMISSION_MODES
@@ -611,7 +611,9 @@ class Settings(BaseModel):
         """Build settings from ``RAMPART_*`` variables (``os.environ`` by default), one per flat name (``FLAT_NAMES``).
 
         Tuples are written comma-separated (``RAMPART_ALPHA_BACKGROUND=0,0,0``); other ``RAMPART_*``
-        variables are ignored. Raises ``pydantic.ValidationError`` for a malformed or out-of-range value.
+        variables are ignored. Raises ``pydantic.ValidationError`` for a malformed or out-of-range value, each
+        error located at the variable that set it and the setting's nested path
+        (``RAMPART_MAX_PIXELS (inputs.max_pixels)``): the operator wrote the variable, not the path.
         """
         environ = os.environ if environ is None else environ
         _warn_of_misspelt_variables(environ)
@@ -621,7 +623,39 @@ class Settings(BaseModel):
             if raw is None:
                 continue
             values[name] = raw.split(",") if _field(name).annotation == tuple[int, int, int] else raw
-        return cls.model_validate(values)
+        try:
+            return cls.model_validate(values)
+        except ValidationError as error:
+            raise _located_at_variables(error) from None
+
+
+#: (group, field) -> flat name: the inverse of ``FLAT_NAMES``, for locating a validation error at its variable.
+_FLAT_NAME_OF = {path: name for name, path in FLAT_NAMES.items()}
+
+
+def _located_at_variables(error: ValidationError) -> ValidationError:
+    """``error`` with each location that is a setting rewritten as ``RAMPART_<NAME> (group.field)`` (the rest of the
+    location, such as a tuple's index, kept after it); errors of no one setting (two deadlines that disagree) keep
+    theirs. The same ``ValidationError`` type, so callers catch it as before; ``error`` itself if pydantic cannot
+    rebuild one of its errors."""
+    rebuilt = []
+    for detail in error.errors(include_url=False):
+        loc = tuple(detail["loc"])
+        for length in (2, 1):
+            path = (loc[0], loc[1]) if length == 2 and len(loc) >= 2 else (loc[0], None) if loc else None
+            name = _FLAT_NAME_OF.get(path) if path else None
+            if name is not None:
+                shown = ".".join(str(part) for part in path if part is not None)
+                loc = (f"{ENV_PREFIX}{name.upper()} ({shown})", *loc[length:])
+                break
+        entry = {"type": detail["type"], "loc": loc, "input": detail["input"]}
+        if "ctx" in detail:
+            entry["ctx"] = detail["ctx"]
+        rebuilt.append(entry)
+    try:
+        return ValidationError.from_exception_data(f"{ENV_PREFIX}* settings", rebuilt)
+    except (TypeError, KeyError, ValueError):
+        return error
 
 
 def _warn_of_misspelt_variables(environ) -> list[str]:

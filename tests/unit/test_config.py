@@ -11,10 +11,23 @@ from rampart.config import Settings
 def test_settings_from_env_validates_and_names_bad_values():
     settings = Settings.from_env({"RAMPART_MAX_PIXELS": "1000", "RAMPART_ALPHA_BACKGROUND": "0,0,0"})
     assert settings.inputs.max_pixels == 1000 and settings.inputs.alpha_background == (0, 0, 0)
-    with pytest.raises(pydantic.ValidationError, match="max_pixels"):
+    with pytest.raises(pydantic.ValidationError, match=r"RAMPART_MAX_PIXELS \(inputs\.max_pixels\)"):
         Settings.from_env({"RAMPART_MAX_PIXELS": "-1"})
     with pytest.raises(pydantic.ValidationError):
         Settings.from_env({"RAMPART_DEFAULT_DEADLINE_MS": "90000", "RAMPART_MAX_DEADLINE_MS": "1000"})
+
+
+@pytest.mark.parametrize("variable, value, path", [("RAMPART_MAX_BODY_BYTES", "abc", "inputs.max_body_bytes"),
+                                                   ("RAMPART_ALPHA_BACKGROUND", "0,0,256", "inputs.alpha_background"),
+                                                   ("RAMPART_API_WORKERS", "0", "api_workers"),
+                                                   ("RAMPART_PRIMARY_ENGINE", "tensorrt", "primary.engine")])
+def test_a_bad_variable_is_named_in_the_error(variable, value, path):
+    """The error names the variable the operator set, with the nested path, and the value; pydantic alone named only
+    the path (``inputs.max_body_bytes``), which appears nowhere in the operator's environment."""
+    with pytest.raises(pydantic.ValidationError) as refused:
+        Settings.from_env({variable: value})
+    assert f"{variable} ({path})" in str(refused.value) and value.split(",")[-1] in str(refused.value)
+    assert len(refused.value.errors()) == 1
 
 
 def test_default_cpu_threads_rule():
