@@ -241,7 +241,10 @@ class DeadlineSettings(_Group):
     """Deadlines (``X-Deadline-Ms``), end to end."""
 
     default_deadline_ms: int = Field(1000, gt=0, description="deadline when none is sent")
-    max_deadline_ms: int = Field(60_000, gt=0, description="the cap on any deadline")
+    # At most an hour: a stopping server waits up to this long for the requests it admitted, and BentoML's traffic
+    # timeout is set from it; a value of 1e17 ms was taken and would have made a drain without end.
+    max_deadline_ms: int = Field(60_000, gt=0, le=3_600_000, description="the cap on any deadline, and the longest a "
+                                 "stopping server waits for the requests it admitted; at most 3600000 (an hour)")
     low_priority_deadline_ms: int = Field(10_000, gt=0, description="default deadline of `X-Priority: low` requests, "
                                           "bulk work that fills idle capacity ([planning.md](planning.md)); at most "
                                           "`MAX_DEADLINE_MS`")

@@ -20,7 +20,9 @@ def test_settings_from_env_validates_and_names_bad_values():
 @pytest.mark.parametrize("variable, value, path", [("RAMPART_MAX_BODY_BYTES", "abc", "inputs.max_body_bytes"),
                                                    ("RAMPART_ALPHA_BACKGROUND", "0,0,256", "inputs.alpha_background"),
                                                    ("RAMPART_API_WORKERS", "0", "api_workers"),
-                                                   ("RAMPART_PRIMARY_ENGINE", "tensorrt", "primary.engine")])
+                                                   ("RAMPART_PRIMARY_ENGINE", "tensorrt", "primary.engine"),
+                                                   ("RAMPART_MAX_DEADLINE_MS", "100000000000000000",
+                                                    "deadlines.max_deadline_ms")])
 def test_a_bad_variable_is_named_in_the_error(variable, value, path):
     """The error names the variable the operator set, with the nested path, and the value; pydantic alone named only
     the path (``inputs.max_body_bytes``), which appears nowhere in the operator's environment."""
