@@ -37,7 +37,7 @@ from rampart.compat import check_versions
 from rampart.api.arrival import route_at_front
 from rampart.compat.bentoml_batching import dispatch_when_free, wake_on_release
 from rampart.compat.bentoml_runner_calls import lean_batch_routes, lean_calls
-from rampart.compat.bentoml_private import debug_mode
+from rampart.compat.bentoml_private import debug_mode, model_store_dir
 from rampart.config import Settings, default_cpu_threads, get_settings
 from rampart.cores import available_cores, cpu_quota_cores, place_this_process, usable_cores
 from rampart.faults import FaultInjector, FaultSpec
@@ -390,6 +390,29 @@ def pick_engine(spec: RunnerSpec, model, settings: Settings, threads: int,
     return choice
 
 
+#: The setting that names each role's model, for the message of a model missing from the store.
+MODEL_SETTING = {"primary": "RAMPART_PRIMARY_MODEL", "fallback": "RAMPART_FALLBACK_MODEL", "shadow": "RAMPART_SHADOW_MODEL"}
+
+
+def require_stored_model(tag: str, role: str) -> None:
+    """Raise ``RuntimeError`` naming the way out when ``tag`` is not in the local BentoML model store.
+
+    BentoML itself resolves a missing model only when a runner starts, in each worker (which the server then
+    restarts), and says that it "could not be found locally" nor in a "cloud context". Rampart never downloads a
+    model at run time: the default models are imported by ``make models`` (``python -m models.import_models``).
+    Called where each runner service is defined, so ``bentoml serve`` (and ``bentoml build``) stop at once.
+    """
+    from bentoml.exceptions import NotFound
+
+    try:
+        bentoml.models.get(tag)
+    except NotFound:
+        raise RuntimeError(
+            f"the {role} model {tag!r} is not in the BentoML model store ({model_store_dir()}); import the default models with "
+            f"`make models` (python -m models.import_models), or set {MODEL_SETTING.get(role, 'its setting')} to a "
+            f"stored model (bentoml models list)") from None
+
+
 def define_runner(role: str, name: str, doc: str) -> bentoml.Service:
     """The BentoML service ``rampart_<role>`` whose class is named ``name`` with docstring ``doc``.
 
@@ -434,6 +457,7 @@ def define_runner(role: str, name: str, doc: str) -> bentoml.Service:
     body = {"__doc__": doc, "__module__": f"runners.{role}", "__init__": __init__,
             **{bucket: api_for(bucket) for bucket in BUCKET_NAMES}}
     if spec.tag:  # no model to pack or load for a runner that is off (an empty shadow_model)
+        require_stored_model(spec.tag, role)
         body["model"] = bentoml.models.BentoModel(spec.tag)
     cls = type(name, (BucketedRunner,), body)
     return bentoml.service(name=f"rampart_{role}", workers=1, threads=spec.concurrent_batches,

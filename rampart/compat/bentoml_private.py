@@ -6,7 +6,7 @@ BentoML upgrade that moves one breaks here, in one place (docs/compat.md).
 
 from __future__ import annotations
 
-__all__ = ["debug_mode", "service_app_factory", "pickle_serde"]
+__all__ = ["debug_mode", "service_app_factory", "pickle_serde", "model_store_dir"]
 
 
 def debug_mode() -> bool:
@@ -31,3 +31,11 @@ def pickle_serde():
     from _bentoml_impl.serde import PickleSerde
 
     return PickleSerde()
+
+
+def model_store_dir() -> str:
+    """The local BentoML model store's directory (``$BENTOML_HOME/models``, ``~/bentoml/models`` by default):
+    ``BentoMLContainer.model_store_dir``; BentoML has no public accessor."""
+    from bentoml._internal.configuration.containers import BentoMLContainer
+
+    return str(BentoMLContainer.model_store_dir.get())
