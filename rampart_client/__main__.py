@@ -69,6 +69,10 @@ def _error(exc: Exception) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Run the command line ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     args = parser().parse_args(argv)
+    if args.deadline_ms is not None and args.timeout * 1000 < args.deadline_ms:
+        # The client would give up first: the server's answer at its deadline (degraded, or a clear 429) is lost.
+        print(f"warning: --timeout {args.timeout:g} s is shorter than --deadline-ms {args.deadline_ms:g}: the client "
+              "gives up before the server's answer at the deadline; set --timeout above the deadline", file=sys.stderr)
     failed, documents = 0, []
     with Client(args.url, timeout=args.timeout) as client:
         for path in args.images:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import io
 import os
+import sys
 from pathlib import Path
 from typing import Union
 
@@ -26,7 +27,7 @@ import httpx
 from pydantic import ValidationError
 
 from .backoff import Backoff, BackoffPolicy
-from .errors import ImageRejected, Overloaded, RampartClientError, ServiceError
+from .errors import ClientTimeout, ConnectionFailed, ImageRejected, Overloaded, RampartClientError, ServiceError
 from .models import Prediction
 
 __all__ = ["Client", "AsyncClient", "ImageInput", "PRIORITIES"]
@@ -137,7 +138,16 @@ def parse_batch(response: httpx.Response) -> list[Prediction | RampartClientErro
 
 
 def _transport_error(exc: Exception) -> ServiceError:
-    return ServiceError(f"{type(exc).__name__}: {exc}")
+    """The error for a transport failure with no answer (httpx's or aiohttp's): ``ClientTimeout`` for the client's own timeout,
+    ``ConnectionFailed`` for a connection that could not be made or broke, ``ServiceError`` for anything else."""
+    message = f"{type(exc).__name__}: {exc}"
+    if isinstance(exc, (httpx.TimeoutException, asyncio.TimeoutError)):  # aiohttp's total timeout is asyncio's
+        return ClientTimeout(message)
+    aiohttp = sys.modules.get("aiohttp")  # AsyncClient's default transport, imported only where used
+    if isinstance(exc, (httpx.NetworkError, httpx.RemoteProtocolError, ConnectionError)) or (
+            aiohttp is not None and isinstance(exc, aiohttp.ClientConnectionError)):
+        return ConnectionFailed(message)
+    return ServiceError(message)
 
 
 class Client:

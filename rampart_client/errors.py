@@ -6,12 +6,15 @@
     ├── ImageRejected     a 4xx: the request or image was refused; ``code`` says why
     ├── Overloaded        a 429: retry after ``retry_after`` seconds
     │   └── Throttled     refused by the client itself (adaptive throttling, rampart_client.backoff)
-    └── ServiceError      anything else: 5xx, a broken connection, a timeout, a bad body
+    └── ServiceError      anything else: 5xx, a bad body, and
+        ├── ConnectionFailed  no answer: the connection could not be made or broke (``code`` "connection_failed")
+        └── ClientTimeout     no answer within the client's own ``timeout`` (``code`` "client_timeout")
 """
 
 from __future__ import annotations
 
-__all__ = ["RampartClientError", "ImageRejected", "Overloaded", "Throttled", "ServiceError"]
+__all__ = ["RampartClientError", "ImageRejected", "Overloaded", "Throttled", "ServiceError", "ConnectionFailed",
+           "ClientTimeout"]
 
 
 class RampartClientError(Exception):
@@ -56,3 +59,19 @@ class ServiceError(RampartClientError):
     def __init__(self, message: str, *, retry_after: float | None = None, **kwargs) -> None:
         super().__init__(message, **kwargs)
         self.retry_after = retry_after
+
+
+class ConnectionFailed(ServiceError):
+    """No answer came: the connection could not be opened (server down, wrong address) or broke before the answer
+    (``status`` None, ``code`` "connection_failed"). Whether the server classified the image is unknown."""
+
+    def __init__(self, message: str, **kwargs) -> None:
+        super().__init__(message, code="connection_failed", **kwargs)
+
+
+class ClientTimeout(ServiceError):
+    """No answer within the client's own ``timeout`` (seconds; ``status`` None, ``code`` "client_timeout"). The
+    server may still answer it; a ``deadline_ms`` shorter than ``timeout`` gets a timely answer instead."""
+
+    def __init__(self, message: str, **kwargs) -> None:
+        super().__init__(message, code="client_timeout", **kwargs)

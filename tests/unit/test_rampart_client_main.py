@@ -70,3 +70,23 @@ def test_a_timeout_that_is_not_a_positive_number_is_a_usage_error(timeout, capsy
     with pytest.raises(SystemExit) as exited:
         parser().parse_args(["classify", "cat.jpg", "--timeout", timeout])
     assert exited.value.code == 2 and "--timeout" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("timeout, deadline_ms, warned", [("1", "5000", True), ("30", "5000", False), ("1", None, False)])
+def test_a_timeout_shorter_than_the_deadline_is_warned_of(timeout, deadline_ms, warned, capsys, tmp_path):
+    """With ``--timeout`` under ``--deadline-ms`` the client gives up before the server's answer at the deadline (a
+    degraded answer or a clear 429) can come; it ran without a word. Nothing listens at the URL: exit 1 either way."""
+    import socket
+
+    from rampart_client.__main__ import main
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    image = tmp_path / "cat.jpg"
+    image.write_bytes(b"not sent")
+    argv = ["classify", str(image), "--url", url, "--timeout", timeout] + (["--deadline-ms", deadline_ms] if deadline_ms else [])
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert ("warning: --timeout" in err) == warned, err
+    assert "connection_failed" in err  # and the failure is named as what it is
