@@ -541,8 +541,13 @@ def _named_as_parameter(header: str, parameter: str | None):
 
 
 def _text(value: Any, name: str) -> str:
+    """``value`` (a number, or a string the header's parser then reads) as a header's text; ``InvalidParameter``
+    for anything else, and for a string no number could be written in: one that is not ASCII would not even
+    encode as a header (a ``deadline_ms`` of "\u0100" was a ``UnicodeEncodeError``, a 500)."""
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise InvalidParameter(f"parameter {name} must be a number, got {_kind(value)}")
+    if isinstance(value, str) and not value.isascii():
+        raise InvalidParameter(f"parameter {name} must be a number, got {value[:32]!r}")
     return str(value)
 
 
@@ -559,9 +564,10 @@ def _priority(value: Any) -> str:
         if value in (0, 1, 2, 3):
             return {1: "high", 3: "low"}.get(value, "normal")
         raise InvalidParameter(f"parameter priority must be 0, 1 (high), 2 (normal) or 3 (low), got {str(value)[:32]}")
-    if isinstance(value, str):
+    if isinstance(value, str) and value.isascii():  # read by the header's parser; not ASCII: no header, no class
         return value
-    raise InvalidParameter(f"parameter priority must be 'high', 'normal', 'low' or 0..3, got {_kind(value)}")
+    shown = repr(value[:32]) if isinstance(value, str) else _kind(value)
+    raise InvalidParameter(f"parameter priority must be 'high', 'normal', 'low' or 0..3, got {shown}")
 
 
 def _rows(results: list[dict], top_k: int) -> dict[str, np.ndarray]:

@@ -194,6 +194,11 @@ def test_hostile_bodies_are_refused_with_a_client_error(body, header_length):
     ({"deadline_ms": 10}, DeadlineTooShort, "parameter deadline_ms=10 is below the minimum"),
     ({"timeout": -5}, InvalidParameter, "parameter timeout (µs; the value shown is in ms) must be positive"),
     ({"priority": "urgent"}, InvalidParameter, "parameter priority must be"),
+    # Not ASCII: no header could carry it (a UnicodeEncodeError, a 500, found by the property test below).
+    ({"deadline_ms": "\u0100"}, InvalidParameter, "parameter deadline_ms must be a number"),
+    ({"timeout": "\u00e9"}, InvalidParameter, "parameter timeout must be a number"),
+    ({"top_k": "\u0663"}, InvalidParameter, "parameter top_k must be a number"),
+    ({"priority": "h\u00efgh"}, InvalidParameter, "parameter priority must be"),
 ])
 def test_a_bad_parameter_is_named_as_the_parameter_not_as_the_header_it_stands_for(parameters, error, named):
     """``parameters.deadline_ms`` = -1 said "X-Deadline-Ms must be positive": the client sent no such header."""
