@@ -279,8 +279,9 @@ class Call:
             if self.attempts >= policy.max_attempts:
                 b._count(retries_denied_attempts=1)
                 return None
-            if error.retry_after:  # honoured as sent: Overloaded always has one, a draining 503 may
-                delay_s = float(error.retry_after)
+            retry_after = float(error.retry_after or 0)
+            if retry_after > 0 and math.isfinite(retry_after):  # honoured as sent: Overloaded always has one,
+                delay_s = retry_after                           # a draining 503 may (NaN or inf: not a delay)
             else:
                 cap_ms = min(policy.max_delay_ms, policy.base_delay_ms * 2 ** (self.attempts - 1))
                 delay_s = b.rng.uniform(0, cap_ms) / 1000.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import math
 import os
 import sys
 from pathlib import Path
@@ -77,16 +78,21 @@ def _batch_files(images: list[ImageInput]) -> list[tuple[str, tuple[str, bytes, 
 
 
 def _retry_after_s(headers: httpx.Headers | dict | None, default: float | None) -> float | None:
-    """The ``Retry-After`` header in seconds (Rampart sends whole seconds); ``default`` if absent or a date."""
+    """The ``Retry-After`` header in seconds (Rampart sends whole seconds); ``default`` if absent, a date, or not a
+    finite number of seconds ≥ 0 (a server's ``nan`` or ``-1`` reached ``time.sleep``: a ``ValueError``, and an
+    ``AsyncClient`` call that never returned)."""
     try:
-        return float((headers or {}).get("retry-after", ""))
+        seconds = float((headers or {}).get("retry-after", ""))
     except ValueError:
         return default
+    return seconds if math.isfinite(seconds) and seconds >= 0 else default
 
 
 def error_from_body(status: int | None, body: dict, headers: httpx.Headers | None = None) -> RampartClientError:
     """The client error for an error body ``{"error": {"code", "message", "request_id"}}`` (a 429's
     also carries ``cause``: ``Overloaded.cause``)."""
+    if isinstance(status, bool) or not isinstance(status, int):
+        status = None  # a batch entry's status that is not a number: nothing to map it on
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):
         return ServiceError(f"HTTP {status}: {str(body)[:200]}", status=status)
@@ -127,13 +133,19 @@ def parse_batch(response: httpx.Response) -> list[Prediction | RampartClientErro
     body = _json(response)
     if response.status_code != 200:
         raise error_from_body(response.status_code, body, response.headers)
+    results = body.get("results") if isinstance(body, dict) else None
+    if not isinstance(results, list) or not all(isinstance(entry, dict) for entry in results):
+        raise ServiceError(f"unexpected response body: no list of results: {str(body)[:200]}", status=200)
     request_id = body.get("request_id", "")
     out: list[Prediction | RampartClientError] = []
-    for entry in body.get("results", []):
+    for entry in results:
         if "error" in entry:  # mapped on the image's own HTTP status, like a /classify answer
             out.append(error_from_body(entry.get("status"), entry))
-        else:
+            continue
+        try:
             out.append(Prediction.model_validate({"request_id": request_id, **entry}))
+        except ValidationError as exc:
+            raise ServiceError(f"unexpected response body: {exc}", status=200) from exc
     return out
 
 

@@ -192,6 +192,26 @@ def test_async_client_retries_a_draining_replica_after_its_retry_after(serve):
     assert second.at - first.at >= 0.2 and second.deadline_ms <= 3000 - 200
 
 
+@pytest.mark.parametrize("retry_after", ["nan", "-1", "inf"])
+def test_a_retry_after_that_is_no_delay_is_taken_as_absent_by_both_clients(serve, retry_after):
+    """A ``Retry-After`` of ``nan`` or ``-1`` reached ``time.sleep`` (ValueError) and ``asyncio.sleep`` (an
+    AsyncClient call that never returned, whatever its deadline and timeout). Now it counts as absent: a 429
+    without one is retried after 1 s (Rampart's least), within the call's deadline, and the retry is answered."""
+    answers = iter([(429, retry_after), (200, None)] * 2)  # each client's first attempt is refused
+    server = serve(lambda arrival: next(answers))
+    with Client(server.url, timeout=5, backoff=NO_BUDGET) as client:
+        assert client.classify(IMAGE, deadline_ms=2500).top.label == "espresso"
+
+    async def call_async():
+        async with AsyncClient(server.url, timeout=5, backoff=NO_BUDGET) as client:
+            return await asyncio.wait_for(client.classify(IMAGE, deadline_ms=2500), 10)  # it hung for good
+
+    assert asyncio.run(call_async()).top.label == "espresso"
+    refused, answered, refused_async, answered_async = server.arrivals
+    assert [a.status for a in server.arrivals] == [429, 200, 429, 200]
+    assert answered.at - refused.at >= 1.0 and answered_async.at - refused_async.at >= 1.0
+
+
 def test_the_sdk_installs_as_a_package_in_a_fresh_venv(tmp_path, server):
     """``pip install ./rampart_client`` works outside the repository: built, installed, run from elsewhere."""
     source = tmp_path / "src" / "rampart_client"
