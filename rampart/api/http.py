@@ -95,8 +95,14 @@ def request_id_of(request: Request) -> str:
 
 
 def parse_top_k(request: Request) -> int:
-    """Query ``top_k``: an integer in 1..20, default 5; else ``InvalidParameter``."""
-    return top_k_of(request.query_params.get("top_k", "5"))
+    """Query ``top_k``: an integer in 1..20, default 5; else ``InvalidParameter``, also when it is given more than
+    once with different values (``?top_k=3&top_k=4``: which one the client meant is not for the server to guess,
+    as for a header, ``single_header``)."""
+    values = request.query_params.getlist("top_k")
+    if len({value.strip(" \t") for value in values}) > 1:
+        shown = ", ".join(repr(value[:32]) for value in values[:3])
+        raise InvalidParameter(f"top_k is given {len(values)} times with different values ({shown}); give it once")
+    return top_k_of(values[0] if values else "5")
 
 
 #: A whole number as a client sends it: ASCII digits only (``str.isdigit`` and ``int`` also take '²', '١' and

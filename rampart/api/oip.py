@@ -73,7 +73,7 @@ from typing import Any, AsyncIterator, Callable, Protocol
 
 import numpy as np
 from PIL import Image
-from starlette.datastructures import MutableHeaders
+from starlette.datastructures import MutableHeaders, QueryParams
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -504,9 +504,10 @@ class _Parameters:
         self.headers = headers
         self.scope = request.scope  # the arrival time (``rampart.api.arrival``) lives there
         self.sets_deadline = "deadline_ms" in parameters or "timeout" in parameters
-        self.query_params = dict(request.query_params)
-        if "top_k" in parameters:
-            self.query_params["top_k"] = _text(parameters["top_k"], "top_k")
+        self.query_params = request.query_params
+        if "top_k" in parameters:  # the parameter replaces every copy of the query's
+            self.query_params = QueryParams([(key, value) for key, value in request.query_params.multi_items()
+                                             if key != "top_k"] + [("top_k", _text(parameters["top_k"], "top_k"))])
 
 
 def request_options(request: Request, parameters: dict, settings: Settings, lag_ms: float,

@@ -156,6 +156,17 @@ def test_top_k_outside_1_to_20_or_not_an_integer_is_422(raw):
     assert error.value.status == 422
 
 
+@pytest.mark.parametrize("query, top_k", [("top_k=3&top_k=3", 3), ("top_k=3&top_k=%203", 3), ("top_k=3&x=1", 3)])
+def test_top_k_given_twice_alike_is_taken(query, top_k):
+    assert http.parse_top_k(request(query=query)) == top_k
+
+
+def test_top_k_given_twice_with_different_values_is_422_as_for_a_header():
+    """``?top_k=3&top_k=4`` was answered with 3 labels: the first won silently."""
+    with pytest.raises(errors.InvalidParameter, match="top_k is given 2 times with different values"):
+        http.parse_top_k(request(query="top_k=3&top_k=4"))
+
+
 @pytest.mark.parametrize("raw, priority", [(None, "normal"), ("normal", "normal"), ("NORMAL", "normal"),
                                            ("high", "high"), (" High ", "high"), ("low", "low"), ("LOW ", "low")])
 def test_priority_is_high_normal_or_low_in_any_case(raw, priority):

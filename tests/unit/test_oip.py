@@ -536,3 +536,12 @@ def test_parsing_past_the_deadline_is_408():
     body, header_length = request_body([image_input([encode(photo("coffee"))], False)])
     with pytest.raises(BodyTimeout, match="parsed within the deadline"):
         asyncio.run(oip._parse_within(body, header_length, LIMITS, SpentDeadline()))
+
+
+def test_a_top_k_parameter_replaces_every_top_k_of_the_query_and_without_it_two_differing_ones_are_422():
+    request = Request({"type": "http", "method": "POST", "path": "/v2/models/rampart/infer", "headers": [],
+                       "query_string": b"top_k=3&top_k=4"})
+    deadline = http.parse_deadline(request, Settings())
+    assert oip.request_options(request, {"top_k": 2}, Settings(), 0.0, deadline)[0] == 2
+    with pytest.raises(InvalidParameter, match="different values"):
+        oip.request_options(request, {}, Settings(), 0.0, deadline)
