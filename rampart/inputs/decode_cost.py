@@ -207,16 +207,23 @@ def _walk_webp(data: bytes, walk: _Walk) -> None:
 
 
 def _walk_tiff(data: bytes, walk: _Walk) -> None:
-    """The IFD chain (pages) and the entries of each IFD; a loop in the chain ends the walk."""
+    """The IFD chain (pages) and the entries of each IFD; a loop in the chain ends the walk. Classic TIFF: 32-bit
+    offsets, 16-bit entry counts, 12-byte entries; BigTIFF (``II+``/``MM\\0+``): 64-bit offsets and counts,
+    20-byte entries (read as classic, its pages would not have been counted)."""
     order = "<" if data[:2] == b"II" else ">"
-    (offset,) = struct.unpack_from(order + "I", data, 4)
+    if data[2:4] in (b"+\x00", b"\x00+"):
+        offset_format, count_format, entry_bytes, first_at = "Q", "Q", 20, 8
+    else:
+        offset_format, count_format, entry_bytes, first_at = "I", "H", 12, 4
+    (offset,) = struct.unpack_from(order + offset_format, data, first_at)
     seen: set[int] = set()
     while offset and offset not in seen:
         seen.add(offset)
-        (entries,) = struct.unpack_from(order + "H", data, offset)
+        (entries,) = struct.unpack_from(order + count_format, data, offset)
         walk.frames()
         walk.chunks(entries)
-        (offset,) = struct.unpack_from(order + "I", data, offset + 2 + 12 * entries)
+        next_at = offset + struct.calcsize(count_format) + entry_bytes * entries
+        (offset,) = struct.unpack_from(order + offset_format, data, next_at)
 
 
 _WALKERS = {"JPEG": _walk_jpeg, "PNG": _walk_png, "GIF": _walk_gif, "WEBP": _walk_webp, "TIFF": _walk_tiff}

@@ -120,6 +120,8 @@ _SUPPORTED_MAGIC: tuple[tuple[int, bytes, str], ...] = (
     (0, b"GIF89a", "GIF"),
     (0, b"II*\x00", "TIFF"),
     (0, b"MM\x00*", "TIFF"),
+    (0, b"II+\x00", "TIFF"),  # BigTIFF (64-bit offsets; Pillow reads it): was a 415 "not a recognised image"
+    (0, b"MM\x00+", "TIFF"),
     (0, b"BM", "BMP"),
 )
 # Recognised but unsupported containers, named in the 415 message.

@@ -67,3 +67,19 @@ def test_chunk_walk_stops_at_the_limit_not_at_the_end(fmt):
         pass
     pillow_s = time.perf_counter() - start
     assert capped_s < 0.5 * pillow_s, (capped_s, pillow_s)
+
+
+@pytest.mark.parametrize("pages", [3, LIMITS.max_frames + 1])
+def test_a_bigtiffs_pages_are_counted_as_a_tiffs(pages):
+    """BigTIFF's IFDs have 64-bit offsets and counts and 20-byte entries; read as a classic TIFF's, its pages were
+    not counted before decoding (Pillow's own page walk caught too many later, at more cost)."""
+    frames = [Image.new("RGB", (8, 8), (i % 256, 0, 0)) for i in range(pages)]
+    buffer = io.BytesIO()
+    frames[0].save(buffer, "TIFF", save_all=True, append_images=frames[1:], big_tiff=True)
+    data = buffer.getvalue()
+    assert data[:4] == b"II+\x00"
+    if pages <= LIMITS.max_frames:
+        assert check_decode_cost(data, "TIFF", LIMITS.max_frames).frames == pages
+    else:
+        with pytest.raises(errors.TooManyFrames):
+            check_decode_cost(data, "TIFF", LIMITS.max_frames)  # from the header walk, before Pillow opens it

@@ -22,6 +22,16 @@ def test_every_supported_format_decodes_to_rgb(fmt):
     assert decoded.format == fmt and decoded.image.mode == "RGB" and decoded.declared_size == (451, 300)
 
 
+def test_a_bigtiff_decodes_like_a_tiff():
+    """BigTIFF (``II+``/``MM\\0+``: 64-bit offsets, what large scans and microscopes write) was refused with 415."""
+    image = Image.fromarray(photo("chelsea"))
+    tiff = encode(image, "TIFF", big_tiff=True)
+    decoded = decode_image(tiff, LIMITS)
+    assert tiff[:4] == b"II+\x00" and decoded.format == "TIFF" and decoded.declared_size == (451, 300)
+    assert np.array_equal(np.asarray(decoded.image), np.asarray(image))
+    assert sniff_format(b"MM\x00+\x00\x08\x00\x00" + bytes(8)) == "TIFF"  # the big-endian form is sniffed alike
+
+
 def test_png_bomb_is_refused_from_the_header():
     bomb = png_bomb()
     assert len(bomb) < 200
