@@ -15,10 +15,18 @@ import os
 import sys
 
 from . import Client, RampartClientError
-from .client import DEFAULT_TIMEOUT_S, PRIORITIES
+from .client import DEFAULT_TIMEOUT_S, PRIORITIES, server_url
 
 PROG = "rampart-client"
 DEFAULT_URL = "http://127.0.0.1:3000"
+
+
+def _server_url(text: str) -> str:
+    """``--url`` (or ``RAMPART_URL``): ``rampart_client.client.server_url``'s checks; else argparse's usage error."""
+    try:
+        return server_url(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _positive_seconds(text: str) -> float:
@@ -46,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
         epilog="Exit status: 0 every image classified, 1 any image failed, 2 a bad command line.")
     classify.add_argument("images", nargs="+", metavar="IMAGE",
                           help="image files (JPEG, PNG, GIF, WEBP, BMP or TIFF)")
-    classify.add_argument("--url", default=os.environ.get("RAMPART_URL", DEFAULT_URL),
+    classify.add_argument("--url", type=_server_url, default=os.environ.get("RAMPART_URL", DEFAULT_URL),
                           help="the server's base URL (default from RAMPART_URL when set)")
     classify.add_argument("--top-k", type=int, default=5, help="labels per image, 1..20")
     classify.add_argument("--deadline-ms", type=float, default=None,

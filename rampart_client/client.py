@@ -162,6 +162,20 @@ def _transport_error(exc: Exception) -> ServiceError:
     return ServiceError(message)
 
 
+def server_url(url: str) -> str:
+    """``url`` checked as the address of a Rampart server: ``http`` or ``https``, a host, an optional port and path
+    prefix, no query or fragment (``http://h:3000?x=1`` sent every call to ``/``: a 405). Raises ``ValueError``."""
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError) as exc:
+        raise ValueError(f"not a URL: {url!r} ({exc})") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"the server's URL must be http(s)://host[:port][/prefix], got {url!r}")
+    if parsed.query or parsed.fragment:
+        raise ValueError(f"the server's URL must have no query or fragment, got {url!r}")
+    return url
+
+
 class Client:
     """A synchronous client for a Rampart server at ``url``; use as a context manager or ``close()``.
 
@@ -172,7 +186,7 @@ class Client:
 
     def __init__(self, url: str = "http://127.0.0.1:3000", timeout: float = DEFAULT_TIMEOUT_S,
                  backoff: BackoffPolicy | None = None, **httpx_kwargs) -> None:
-        self._http = httpx.Client(base_url=url, timeout=timeout, **httpx_kwargs)
+        self._http = httpx.Client(base_url=server_url(url), timeout=timeout, **httpx_kwargs)
         self.backoff = Backoff(backoff)
 
     def backoff_stats(self) -> dict:
@@ -287,6 +301,7 @@ class AsyncClient:
                  transport: str = "aiohttp", max_connections: int = DEFAULT_MAX_CONNECTIONS,
                  backoff: BackoffPolicy | None = None, **httpx_kwargs) -> None:
         self.backoff = Backoff(backoff)
+        url = server_url(url)
         if transport not in ("aiohttp", "httpx"):
             raise ValueError(f"transport must be 'aiohttp' or 'httpx', got {transport!r}")
         if transport == "httpx" or httpx_kwargs:

@@ -77,3 +77,17 @@ def test_no_answer_within_the_clients_timeout_is_client_timeout(classify, silent
         classify(silent_server, 0.3)
     assert isinstance(timed_out.value, ServiceError) and timed_out.value.status is None
     assert timed_out.value.code == "client_timeout"
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:3917?x=1", "http://127.0.0.1:3917/#top", "ftp://127.0.0.1",
+                                 "127.0.0.1:3000", "http://", "not a url"])
+def test_a_server_url_with_a_query_or_without_http_and_a_host_is_refused_at_once(url):
+    """``http://h:3917?x=1`` sent every call to ``/`` (a 405) instead of ``/classify``."""
+    for make in (lambda: Client(url), lambda: AsyncClient(url)):
+        with pytest.raises(ValueError, match="URL"):
+            make()
+
+
+def test_a_server_url_with_a_path_prefix_is_taken():
+    with Client("http://127.0.0.1:3000/rampart/") as client:
+        assert str(client._http.base_url) == "http://127.0.0.1:3000/rampart/"

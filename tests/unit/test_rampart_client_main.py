@@ -90,3 +90,9 @@ def test_a_timeout_shorter_than_the_deadline_is_warned_of(timeout, deadline_ms, 
     err = capsys.readouterr().err
     assert ("warning: --timeout" in err) == warned, err
     assert "connection_failed" in err  # and the failure is named as what it is
+
+
+def test_a_bad_url_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exited:
+        parser().parse_args(["classify", "cat.jpg", "--url", "http://127.0.0.1:3917?x=1"])
+    assert exited.value.code == 2 and "no query" in capsys.readouterr().err
