@@ -113,7 +113,14 @@ class ModelLane:
     that a busy runner, even one starved of CPU by an overloaded host (whose
     measured throughput is then low), would have answered something. The
     throughput is taken as of the last response because the meter itself falls
-    while a hung model completes nothing, which would push the limit away.
+    while a hung model completes nothing, which would push the limit away. The
+    silence is counted from the last response or from when this worker gave the
+    runner work after having no call out (``busy_since``; a call goes on after its
+    request timed out, so a hung runner keeps it), whichever is later: counted
+    from the last response alone, the first burst after a quiet spell (or after
+    start) met a "silence" of minutes, and every timeout before the runner's first
+    answer counted as a stall (an attack round saw a fresh server's breaker open
+    with five such "stalls" under a burst of pure overload).
 
     With several API workers a lane sees only its own worker's responses, and the
     runner may compute the other workers' batches in between: a full batch at this
@@ -140,6 +147,8 @@ class ModelLane:
         self.share = share
         self.responses = 0  # runner responses ever (answers, late answers, TTL drops): the model's progress
         self.last_response = time.monotonic()
+        self.busy_since = self.last_response  # when this worker last gave the runner work after having none out
+        self.calls_out = 0  # runner calls of this worker not ended yet (a timed-out request's call goes on)
         self._ms_per_image_at_response: float | None = None
         self.failures = {"error": 0, "stalled": 0}  # what the breaker was told, by kind
         self._published_queue: dict[str, int] = {}  # queue depth last written per bucket
@@ -227,8 +236,12 @@ class ModelLane:
             set_stage("queue")
             async with ticket.turn(lambda: deadline.remaining_s(self.share), bucket.name):
                 dispatched, progress_at_dispatch = True, self.responses
+                if self.calls_out == 0:  # no call of this worker out: the runner's silence so far was not a stall
+                    self.busy_since = time.monotonic()
                 set_stage("model")
                 call = asyncio.ensure_future(self.endpoint.call(bucket.name, pixels, deadline.epoch_s(self.share)))
+                self.calls_out += 1
+                call.add_done_callback(self._call_ended)
                 call.add_done_callback(self._responded)
                 call.add_done_callback(functools.partial(self._observe, time.monotonic(), self.gate.dispatched))
                 # Shielded: when this request stops waiting, the runner call still finishes
@@ -245,8 +258,8 @@ class ModelLane:
             # A late call is a failure for the breaker only if the runner sent nothing back
             # at all while it waited, not even a late answer or a TTL drop for someone else:
             # a hung model. A busy model keeps answering, just not in time for everyone.
-            stalled = (dispatched and self.responses == progress_at_dispatch
-                       and time.monotonic() - self.last_response > self.stall_after_s())
+            silent_s = time.monotonic() - max(self.last_response, self.busy_since)
+            stalled = dispatched and self.responses == progress_at_dispatch and silent_s > self.stall_after_s()
             self._record(False if stalled else None, "stalled")
             return Attempt(None, f"{self.role}_timeout", shed=not dispatched)
 
@@ -266,6 +279,9 @@ class ModelLane:
         self._record(True)
         self.gate.completed()
         return Attempt(answer)
+
+    def _call_ended(self, call: asyncio.Future) -> None:
+        self.calls_out -= 1
 
     def _responded(self, call: asyncio.Future) -> None:
         """Count a runner response (an answer or a TTL drop, in time or not); errors are not progress."""

@@ -161,3 +161,37 @@ def test_a_meter_falling_between_check_and_place_never_raises_out_of_reserve():
     budget_s = model.gate.predicted_s(False) * 1.015  # fits at the next reading (x 1/0.99), not at the one after
     outcome = model.reserve(False, ClockMovingDeadline(budget_s, 0.0))
     assert isinstance(outcome, (Ticket, Attempt))
+
+
+def test_a_busy_runners_first_answer_after_a_quiet_spell_is_not_a_stall():
+    """Silence was counted from the last response alone: after start or a quiet spell it was minutes long, so every
+    timeout before the runner's first answer to a new burst was a "stall" (a fresh server's breaker opened under a
+    burst of pure overload). It is now counted from when this worker gave the runner work with no call out; a hung
+    runner keeps the calls of requests that timed out, so the next request's silence runs on and is a stall."""
+    import asyncio
+
+    import numpy as np
+
+    async def scenario(requests: int) -> list[dict]:
+        async def hung(bucket_name, pixels, deadline_epoch_s):
+            await asyncio.sleep(30)
+
+        gate = AdmissionGate("m", max_batch_size=8, concurrent_batches=1, queue_delay_ms=1000,
+                             meter=ThroughputMeter(override_ips=20))  # stall after 2 x 8 x 50 ms = 0.8 s
+        model = ModelLane("primary", ModelEndpoint("m", "v1", ["a"], buckets_for_resolution(32), hung), gate,
+                          CircuitBreaker(window_s=60, min_calls=5, failure_rate=0.5, open_s=10.0), Share.PRIMARY)
+        model.last_response -= 600  # the runner last answered ten minutes ago
+        outcomes = []
+        for _ in range(requests):  # one after the other, 600 ms deadlines: each waits about 0.35 s
+            deadline = Deadline(600)
+            ticket = model.reserve(False, deadline)
+            attempt = await model.attempt(ticket, (model.endpoint.buckets["square"], np.zeros((32, 32, 3), np.uint8)),
+                                          deadline)
+            outcomes.append({"reason": attempt.reason, **model.failures})
+        return outcomes
+
+    outcomes = asyncio.run(scenario(4))
+    assert all(outcome["reason"] == "primary_timeout" for outcome in outcomes), outcomes
+    stalls = [outcome["stalled"] for outcome in outcomes]
+    assert stalls[0] == 0, outcomes  # 0.35 s into the work: busy, not hung (it was a stall: 600 s of "silence")
+    assert stalls[-1] >= 1, outcomes  # over 0.8 s of silence since the work began: hung
