@@ -98,11 +98,8 @@ def parse_top_k(request: Request) -> int:
     """Query ``top_k``: an integer in 1..20, default 5; else ``InvalidParameter``, also when it is given more than
     once with different values (``?top_k=3&top_k=4``: which one the client meant is not for the server to guess,
     as for a header, ``single_header``)."""
-    values = request.query_params.getlist("top_k")
-    if len({value.strip(" \t") for value in values}) > 1:
-        shown = ", ".join(repr(value[:32]) for value in values[:3])
-        raise InvalidParameter(f"top_k is given {len(values)} times with different values ({shown}); give it once")
-    return top_k_of(values[0] if values else "5")
+    given = _one_value(request.query_params.getlist("top_k"), "top_k is given")
+    return top_k_of("5" if given is None else given)
 
 
 #: A whole number as a client sends it: ASCII digits only (``str.isdigit`` and ``int`` also take '²', '١' and
@@ -134,13 +131,18 @@ _MILLISECONDS = re.compile(r"[+-]?(?:[0-9]{1,20}(?:\.[0-9]{0,20})?|\.[0-9]{1,20}
 
 
 def single_header(request: Request, name: str) -> str | None:
-    """The value of header ``name`` (lower case), None when absent. Sent more than once with different values
-    (``X-Deadline-Ms: 1000`` and ``X-Deadline-Ms: 5``), it is ``InvalidParameter``: which one the client meant is
-    not for the server to guess."""
-    values = request.headers.getlist(name)
-    if len(set(values)) > 1:
+    """The value of header ``name`` (lower case), None when absent; ``InvalidParameter`` when it is sent more than
+    once with different values (``X-Deadline-Ms: 1000`` and ``X-Deadline-Ms: 5``; ``_one_value``)."""
+    return _one_value(request.headers.getlist(name), f"{name} is sent")
+
+
+def _one_value(values: list[str], what: str) -> str | None:
+    """The one value of a header's or query parameter's ``values`` (all it was sent), None when there is none.
+    Several that differ (spaces and tabs around them aside) are ``InvalidParameter``, its message starting with
+    ``what`` ("top_k is given"): which one the client meant is not for the server to guess."""
+    if len({value.strip(" \t") for value in values}) > 1:
         shown = ", ".join(repr(value[:32]) for value in values[:3])
-        raise InvalidParameter(f"{name} is sent {len(values)} times with different values ({shown}); send it once")
+        raise InvalidParameter(f"{what} {len(values)} times with different values ({shown}); send one value")
     return values[0] if values else None
 
 
