@@ -52,6 +52,11 @@ from rampart.overload.admission import ADMISSION_MODES
 from rampart.results import CONFIDENCE_KINDS
 
 ENV_PREFIX = "RAMPART_"
+
+
+def variable_of(flat_name: str) -> str:
+    """The environment variable of the setting with flat name ``flat_name``: ``RAMPART_`` + its upper case."""
+    return ENV_PREFIX + flat_name.upper()
 #: A BentoML model tag, ``name`` or ``name:version`` (BentoML's tag rules: letters, digits, ``-``, ``_``, ``.``; a
 #: name lowercased by BentoML with a warning). An empty primary or fallback tag made every worker fail at start, and
 #: the server restarted them without end.
@@ -579,7 +584,7 @@ class Settings(BaseModel):
         for flat, value in values.items():
             if value not in _PRODUCTION[flat]:
                 shown = str(value).lower() if isinstance(value, bool) else value
-                raise ValueError(f"{ENV_PREFIX}{flat.upper()}={shown} is an experiment's setting (the ablation, "
+                raise ValueError(f"{variable_of(flat)}={shown} is an experiment's setting (the ablation, "
                                  f"docs/configuration.md, \"Experiments\"): set {ENV_PREFIX}EXPERIMENTS=true to use it")
         return self
 
@@ -622,7 +627,7 @@ class Settings(BaseModel):
         _warn_of_misspelt_variables(environ)
         values: dict[str, object] = {}
         for name in FLAT_NAMES:
-            raw = environ.get(ENV_PREFIX + name.upper())
+            raw = environ.get(variable_of(name))
             if raw is None:
                 continue
             values[name] = raw.split(",") if _field(name).annotation == tuple[int, int, int] else raw
@@ -643,15 +648,7 @@ def _located_at_variables(error: ValidationError) -> ValidationError:
     rebuild one of its errors."""
     rebuilt = []
     for detail in error.errors(include_url=False):
-        loc = tuple(detail["loc"])
-        for length in (2, 1):
-            path = (loc[0], loc[1]) if length == 2 and len(loc) >= 2 else (loc[0], None) if loc else None
-            name = _FLAT_NAME_OF.get(path) if path else None
-            if name is not None:
-                shown = ".".join(str(part) for part in path if part is not None)
-                loc = (f"{ENV_PREFIX}{name.upper()} ({shown})", *loc[length:])
-                break
-        entry = {"type": detail["type"], "loc": loc, "input": detail["input"]}
+        entry = {"type": detail["type"], "loc": _at_variable(tuple(detail["loc"])), "input": detail["input"]}
         if "ctx" in detail:
             entry["ctx"] = detail["ctx"]
         rebuilt.append(entry)
@@ -661,11 +658,22 @@ def _located_at_variables(error: ValidationError) -> ValidationError:
         return error
 
 
+def _at_variable(loc: tuple) -> tuple:
+    """A validation error's location ``loc`` with the setting it starts with (``("inputs", "max_pixels", ...)`` or
+    the top-level ``("api_workers", ...)``) as ``RAMPART_<NAME> (group.field)``; ``loc`` itself when it names none."""
+    for path, rest in ((loc[:2], loc[2:]), ((*loc[:1], None), loc[1:])):
+        name = _FLAT_NAME_OF.get(path)
+        if name is not None:
+            shown = ".".join(str(part) for part in path if part is not None)
+            return (f"{variable_of(name)} ({shown})", *rest)
+    return loc
+
+
 def _warn_of_misspelt_variables(environ) -> list[str]:
     """Log a warning for each ``RAMPART_*`` variable that is no setting but nearly spells one
     (``RAMPART_MAX_BODY_BYTE``): it is ignored, as every unknown variable is (scripts have their own, such as
     ``RAMPART_URL``), so a typo would otherwise leave the default in force unnoticed. Returns the warnings."""
-    known = [ENV_PREFIX + name.upper() for name in FLAT_NAMES]
+    known = [variable_of(name) for name in FLAT_NAMES]
     warnings = []
     for variable in environ:
         if variable.startswith(ENV_PREFIX) and variable not in known:
@@ -706,7 +714,7 @@ def settings_table() -> str:
     for name, (group, field_name) in FLAT_NAMES.items():
         path = group if field_name is None else f"{group}.{field_name}"
         description = (_field(name).description or "").replace("|", "\\|")
-        rows.append(f"| `{ENV_PREFIX}{name.upper()}` | {_shown(defaults.flat(name))} | `{path}` | {description} |")
+        rows.append(f"| `{variable_of(name)}` | {_shown(defaults.flat(name))} | `{path}` | {description} |")
     return "\n".join(rows) + "\n"
 
 

@@ -38,7 +38,7 @@ from rampart.api.arrival import route_at_front
 from rampart.compat.bentoml_batching import dispatch_when_free, wake_on_release
 from rampart.compat.bentoml_runner_calls import lean_batch_routes, lean_calls
 from rampart.compat.bentoml_private import debug_mode, model_store_dir
-from rampart.config import Settings, default_cpu_threads, get_settings
+from rampart.config import Settings, default_cpu_threads, get_settings, variable_of
 from rampart.cores import available_cores, cpu_quota_cores, place_this_process, usable_cores
 from rampart.faults import FaultInjector, FaultSpec
 from rampart.heap import release_heap
@@ -390,10 +390,6 @@ def pick_engine(spec: RunnerSpec, model, settings: Settings, threads: int,
     return choice
 
 
-#: The setting that names each role's model, for the message of a model missing from the store.
-MODEL_SETTING = {"primary": "RAMPART_PRIMARY_MODEL", "fallback": "RAMPART_FALLBACK_MODEL", "shadow": "RAMPART_SHADOW_MODEL"}
-
-
 def require_stored_model(tag: str, role: str) -> None:
     """Raise ``RuntimeError`` naming the way out when ``tag`` is not in the local BentoML model store.
 
@@ -409,7 +405,7 @@ def require_stored_model(tag: str, role: str) -> None:
     except NotFound:
         raise RuntimeError(
             f"the {role} model {tag!r} is not in the BentoML model store ({model_store_dir()}); import the default models with "
-            f"`make models` (python -m models.import_models), or set {MODEL_SETTING.get(role, 'its setting')} to a "
+            f"`make models` (python -m models.import_models), or set {variable_of(role + '_model')} to a "
             f"stored model (bentoml models list)") from None
 
 
