@@ -241,7 +241,6 @@ class ModelLane:
                 set_stage("model")
                 call = asyncio.ensure_future(self.endpoint.call(bucket.name, pixels, deadline.epoch_s(self.share)))
                 self.calls_out += 1
-                call.add_done_callback(self._call_ended)
                 call.add_done_callback(self._responded)
                 call.add_done_callback(functools.partial(self._observe, time.monotonic(), self.gate.dispatched))
                 # Shielded: when this request stops waiting, the runner call still finishes
@@ -280,11 +279,10 @@ class ModelLane:
         self.gate.completed()
         return Attempt(answer)
 
-    def _call_ended(self, call: asyncio.Future) -> None:
-        self.calls_out -= 1
-
     def _responded(self, call: asyncio.Future) -> None:
-        """Count a runner response (an answer or a TTL drop, in time or not); errors are not progress."""
+        """A runner call ended (``calls_out``); count it as a response (an answer or a TTL drop, in time or not)
+        unless it failed or was cancelled: errors are not progress."""
+        self.calls_out -= 1
         if not call.cancelled() and call.exception() is None:
             self.responses += 1
             self.last_response = time.monotonic()
