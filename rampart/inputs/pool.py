@@ -305,7 +305,7 @@ class BoundedPool:
         self.replaced = 0
         self._shared: dict[int, tuple[str, object]] = {}
         self._cond = threading.Condition()
-        self._heap: list[tuple[int, int, int, Future, Callable, tuple, Callable[[], None]]] = []
+        self._heap: list[tuple[int, int, int, Future, Callable, tuple, list[float]]] = []
         self._seq = itertools.count()
         self._pending = 0
         self._slots = [_Slot() for _ in range(workers)]
@@ -361,20 +361,13 @@ class BoundedPool:
         thread keeps its slot until the job ends. Raises ``WorkerDied`` when a
         worker process dies during the job, and whatever ``fn`` raised.
         """
-        loop = asyncio.get_running_loop()
-        started = asyncio.Event()
-        started_at: list[float] = []
+        started_at: list[float] = []  # the worker thread appends the job's start time; nothing wakes the loop for it
         future: Future = Future()
-
-        def on_start() -> None:
-            started_at.append(time.monotonic())
-            loop.call_soon_threadsafe(started.set)
-
         with self._cond:
             if self._pending >= self.capacity:
                 raise Overloaded(f"decoding capacity is exhausted ({self.capacity} uploads in progress)", self.retry_after_s)
             self._pending += 1
-            heapq.heappush(self._heap, (0 if high else 1, rank, next(self._seq), future, fn, args, on_start))
+            heapq.heappush(self._heap, (0 if high else 1, rank, next(self._seq), future, fn, args, started_at))
             self._cond.notify()
         submitted = time.monotonic()
         result = asyncio.wrap_future(future)
@@ -382,29 +375,33 @@ class BoundedPool:
         try:
             if budget_s is None and run_limit_s is None:
                 return await result
-            budget_s = float("inf") if budget_s is None else max(budget_s, 0.0)
-            start_wait = asyncio.ensure_future(started.wait())
-            try:
-                await asyncio.wait([start_wait, result], timeout=budget_s, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                start_wait.cancel()
-            if not started.is_set() and future.cancel():
-                raise Overloaded(
-                    f"no decoder became free within the request's deadline ({budget_s * 1000:.0f} ms)",
-                    self.retry_after_s,
-                )
-            left_s = budget_s - (time.monotonic() - submitted)
+            budget_end = submitted + (float("inf") if budget_s is None else max(budget_s, 0.0))
             run_limit_s = float("inf") if run_limit_s is None else run_limit_s
-            done, _ = await asyncio.wait([result], timeout=max(min(run_limit_s, left_s), 0.0))
-            if done:
-                return result.result()
+            now = submitted
+            while True:
+                # A job that has not started yet cannot end its run limit before now + run_limit_s: waking then (or at
+                # the budget's end) and looking again finds every limit in time without a wake-up at the start.
+                run_end = started_at[0] + run_limit_s if started_at else now + max(run_limit_s, 0.001)
+                done, _ = await asyncio.wait([result], timeout=max(min(run_end, budget_end) - now, 0.0))
+                if done:
+                    return result.result()
+                now = time.monotonic()
+                if future.running() or future.done():  # started: it may still be about to note its start time
+                    run_end = (started_at[0] if started_at else now) + run_limit_s
+                    if now >= min(run_end, budget_end):
+                        break
+                elif now >= budget_end and future.cancel():
+                    raise Overloaded(
+                        f"no decoder became free within the request's deadline ({budget_s * 1000:.0f} ms)",
+                        self.retry_after_s,
+                    )
         except asyncio.CancelledError:  # the request stopped waiting: free its worker too
             if not future.cancel() and not hung_up():  # a client gone: its running job ends by itself, in ms
                 self._abandon(future)
             raise
         self._abandon(future)
-        ran_s = time.monotonic() - (started_at[0] if started_at else submitted)
-        raise JobTimeout(ran_s, by_run_limit=run_limit_s <= left_s)
+        ran_s = now - (started_at[0] if started_at else submitted)
+        raise JobTimeout(ran_s, by_run_limit=run_end <= budget_end)
 
     def _abandon(self, future: Future) -> None:
         """Kill the process running ``future``'s job, if it still runs one (process mode only)."""
@@ -426,13 +423,13 @@ class BoundedPool:
             with self._cond:
                 while not self._heap:
                     self._cond.wait()
-                _, _, _, future, fn, args, on_start = heapq.heappop(self._heap)
+                _, _, _, future, fn, args, started_at = heapq.heappop(self._heap)
                 running = future.set_running_or_notify_cancel()
                 if running:
+                    started_at.append(time.monotonic())
                     slot.job, slot.abandoned = future, False
             outcome: tuple[bool, object] | None = None
             if running:
-                on_start()
                 try:
                     outcome = (True, self._call(slot, fn, args))
                 except BaseException as exc:

@@ -249,3 +249,17 @@ def test_pool_bounds_queue_start_wait_and_run_time():
         return pool.pending
 
     assert asyncio.run(scenario()) == 0
+
+
+def test_a_jobs_run_limit_counts_from_its_start_not_from_its_wait_in_the_queue():
+    async def scenario():
+        pool = BoundedPool(workers=1, queue=1)
+        blocker = asyncio.create_task(pool.run(time.sleep, 0.3))
+        await asyncio.sleep(0.02)
+        queued_at = time.monotonic()  # waits ~0.28 s for the worker, longer than its run limit, then runs 0.05 s
+        result = await pool.run(lambda: time.sleep(0.05) or "done", budget_s=2.0, run_limit_s=0.2)
+        await blocker
+        return result, time.monotonic() - queued_at, pool.pending
+
+    result, waited_s, pending = asyncio.run(scenario())
+    assert result == "done" and waited_s > 0.2 and pending == 0
