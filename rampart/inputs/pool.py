@@ -17,11 +17,13 @@ raises ``JobTimeout``. What happens to the overrunning job depends on the mode:
   free at once, and a new process takes its place; a worker that dies on its own
   (a decoder crash, the OOM killer) is replaced the same way and its job raises
   ``WorkerDied``. Jobs must be picklable: a module-level function and its
-  arguments go in, its return value comes back through a pipe. The hand-off is
-  lean (``_send`` / ``_receive``): pickle protocol 5 with large ``bytes`` (the
-  upload) and numpy arrays (the pixels) sent as raw frames beside a small header,
-  never copied into a pickle stream, and objects given to ``share`` (the decode
-  plan) sent once per worker process, then named by a key.
+  arguments go in, its return value comes back through a Unix socket pair. The
+  hand-off is lean (``_send`` / ``_receive``): pickle protocol 5 with large
+  ``bytes`` (the upload) and numpy arrays (the pixels) sent as raw frames beside a
+  small header, never copied into a pickle stream or a message (one gathered
+  ``sendmsg`` a message; each frame read whole into its own ``bytes``), and objects
+  given to ``share`` (the decode plan) sent once per worker process, then named by
+  a key.
 - ``processes=False``: workers are threads of this process. A thread cannot be
   killed, so a timed-out job keeps its slot until it really ends; the bound on
   memory still holds.
@@ -43,6 +45,8 @@ import multiprocessing.util  # registers its exit hook before ours, so ours (LIF
 import os
 import pickle
 import signal
+import socket
+import struct
 import sys
 import threading
 import time
@@ -113,30 +117,60 @@ class _Unpickler(pickle.Unpickler):
         return self.known[key]
 
 
-def _send(conn, kind: bytes, obj, shared: dict[int, str] | None = None) -> None:
-    """Send ``obj`` as one header (``kind``, the frame count, the pickle) and its raw frames."""
+#: A message's fixed head: its kind (1 byte), its raw frame count (4), the pickle header's length (8).
+_HEAD = struct.Struct("<cIQ")
+_FRAME_SIZE = struct.Struct("<Q")
+
+
+def _send(sock: socket.socket, kind: bytes, obj, shared: dict[int, str] | None = None) -> None:
+    """Send ``obj`` over ``sock`` as the fixed head, the frames' sizes, the pickle header and the raw frames (numpy
+    arrays, large ``bytes``), gathered into one ``sendmsg``: no frame is copied into a message first."""
     buffers: list[pickle.PickleBuffer] = []
     stream = io.BytesIO()
     _Pickler(stream, buffers, shared or {}).dump(obj)
-    conn.send_bytes(kind + len(buffers).to_bytes(4, "little") + stream.getbuffer())
-    for buffer in buffers:
-        conn.send_bytes(buffer.raw())
+    header = stream.getbuffer()
+    frames = [buffer.raw() for buffer in buffers]
+    head = _HEAD.pack(kind, len(frames), header.nbytes) + b"".join(_FRAME_SIZE.pack(f.nbytes) for f in frames)
+    parts = [memoryview(head), header, *frames]
+    while parts:  # a blocking stream socket may still take part of a large message (a signal between its pieces)
+        sent = sock.sendmsg(parts)
+        while parts and sent >= parts[0].nbytes:
+            sent -= parts[0].nbytes
+            parts.pop(0)
+        if parts and sent:
+            parts[0] = parts[0][sent:]
 
 
-def _receive(conn, known: dict[str, object] | None = None) -> tuple[bytes, object]:
-    """The (kind, object) ``_send`` sent; shared objects are looked up in ``known``."""
-    header = conn.recv_bytes()
-    frames = [conn.recv_bytes() for _ in range(int.from_bytes(header[1:5], "little"))]
-    return header[:1], _Unpickler(io.BytesIO(memoryview(header)[5:]), frames, known or {}).load()
+def _receive_exactly(sock: socket.socket, size: int) -> bytes:
+    """``size`` bytes from ``sock`` (one ``recv`` with ``MSG_WAITALL``, more only if a signal cut it short);
+    ``EOFError`` when the other end closed first."""
+    data = sock.recv(size, socket.MSG_WAITALL)
+    while len(data) < size:
+        more = sock.recv(size - len(data), socket.MSG_WAITALL)
+        if not more:
+            raise EOFError("the other end of the decode pipe closed")
+        data += more
+    return data
 
 
-def _serve(conn, nice: int, setup: tuple[Callable, tuple] | None = None) -> None:
-    """A worker process: run ``setup`` (``(fn, args)``) once, then each job ``(fn, args)`` from ``conn`` and send
+def _receive(sock: socket.socket, known: dict[str, object] | None = None) -> tuple[bytes, object]:
+    """The (kind, object) ``_send`` sent; shared objects are looked up in ``known``. Each raw frame is read
+    straight into its own ``bytes`` (numpy arrays are made on it, read-only, without a copy)."""
+    kind, count, header_size = _HEAD.unpack(_receive_exactly(sock, _HEAD.size))
+    rest = _receive_exactly(sock, _FRAME_SIZE.size * count + header_size)
+    sizes = [_FRAME_SIZE.unpack_from(rest, _FRAME_SIZE.size * i)[0] for i in range(count)]
+    frames = [_receive_exactly(sock, size) for size in sizes]
+    header = memoryview(rest)[_FRAME_SIZE.size * count:]
+    return kind, _Unpickler(io.BytesIO(header), frames, known or {}).load()
+
+
+def _serve(sock: socket.socket, nice: int, setup: tuple[Callable, tuple] | None = None) -> None:
+    """A worker process: run ``setup`` (``(fn, args)``) once, then each job ``(fn, args)`` from ``sock`` and send
     back ``("ok", result)`` or ``("error", exc)``; a definition ``(key, obj)`` is kept for the jobs that name
     ``key`` (``BoundedPool.share``)."""
     # Ctrl-C and SIGTERM on `bentoml serve` are the parent's to handle: during its graceful drain
     # (rampart.api.lifecycle) circus signals the API worker's children too, and decoding must go on.
-    # The worker still ends with its parent: the pipe closes and ``recv`` raises EOFError.
+    # The worker still ends with its parent: the socket closes and ``_receive`` raises EOFError.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if nice > 0:
@@ -149,7 +183,7 @@ def _serve(conn, nice: int, setup: tuple[Callable, tuple] | None = None) -> None
     known: dict[str, object] = {}
     while True:
         try:
-            kind, message = _receive(conn, known)
+            kind, message = _receive(sock, known)
         except (EOFError, OSError):  # the parent is gone
             return
         if kind == _DEFINE:
@@ -162,9 +196,9 @@ def _serve(conn, nice: int, setup: tuple[Callable, tuple] | None = None) -> None
         except Exception as exc:
             reply = ("error", exc)
         try:
-            _send(conn, _JOB, reply)
+            _send(sock, _JOB, reply)
         except Exception as exc:  # an unpicklable result or exception
-            _send(conn, _JOB, ("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
+            _send(sock, _JOB, ("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
 
 
 _START_LOCK = threading.Lock()
@@ -205,7 +239,7 @@ class _Process:
 
     def _start(self) -> None:
         started = time.perf_counter()
-        self.conn, child = self.context.Pipe()
+        self.conn, child = socket.socketpair()
         self.defined = set()
         self.process = self.context.Process(target=_serve, args=(child, self.nice, self.setup), name=self.name, daemon=True)
         with _START_LOCK:

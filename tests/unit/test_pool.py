@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import multiprocessing
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -263,3 +264,33 @@ def test_a_jobs_run_limit_counts_from_its_start_not_from_its_wait_in_the_queue()
 
     result, waited_s, pending = asyncio.run(scenario())
     assert result == "done" and waited_s > 0.2 and pending == 0
+
+
+def test_the_hand_off_carries_frames_larger_than_the_socket_buffer_and_an_end_mid_message_is_eof():
+    from rampart.inputs import pool as pool_module
+
+    left, right = socket.socketpair()
+    pixels = np.arange(1600 * 1200 * 3, dtype=np.uint32).reshape(1600, 1200, 3) % 251  # 23 MB: many socket buffers
+    upload = os.urandom(5 << 20)
+    sender = threading.Thread(target=pool_module._send, args=(left, b"J", ("ok", (pixels, upload, "small"))))
+    sender.start()
+    kind, (status, (got_pixels, got_upload, small)) = pool_module._receive(right)
+    sender.join()
+    assert (kind, status, small) == (b"J", "ok", "small")
+    assert type(got_upload) is bytes and got_upload == upload  # an upload stays bytes for the decoder
+    assert got_pixels.dtype == pixels.dtype and np.array_equal(got_pixels, pixels)
+
+    whole = bytearray()  # one whole message's bytes, as a worker would write them
+    a, b = socket.socketpair()
+    writer = threading.Thread(target=lambda: (pool_module._send(a, b"J", ("ok", upload)), a.close()))
+    writer.start()
+    while chunk := b.recv(1 << 20):
+        whole += chunk
+    writer.join()
+    b.close()
+    killed = threading.Thread(target=lambda: (left.sendall(whole[: len(whole) // 2]), left.close()))
+    killed.start()  # a worker killed half-way through its answer
+    with pytest.raises(EOFError):
+        pool_module._receive(right)
+    killed.join()
+    right.close()
