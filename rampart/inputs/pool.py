@@ -82,6 +82,9 @@ class _Abandoned(Exception):
     """The job's process was killed on purpose; nobody waits for its result any more."""
 
 
+#: How often (s) an idle worker's thread looks whether its process is still alive: one that died (the OOM
+#: killer, a signal) while it had no job is replaced within this, not only when the next upload comes.
+IDLE_CHECK_S = 1.0
 #: ``bytes`` at least this long travel as raw frames beside the pickle header (``_send``).
 _RAW_FRAME_BYTES = 16 << 10
 _DEFINE, _JOB = b"D", b"J"
@@ -223,7 +226,7 @@ class _Process:
 
     ``close`` and ``replace`` hold ``_lock``, so a close that comes while a
     replacement starts waits for it and then kills the new process, and a
-    replacement after ``close`` starts nothing.
+    replacement after ``close`` starts nothing. ``kill`` never waits for the lock.
     """
 
     def __init__(self, context, nice: int, name: str, shared: dict[int, tuple[str, object]],
@@ -273,12 +276,21 @@ class _Process:
             raise value
         return value
 
-    def kill(self) -> None:
-        """SIGKILL the process (its job is abandoned; ``replace`` starts the next one). Waits for a
-        replacement under way, whose process may be about to take the job."""
-        with self._lock:
-            if not self.closed:
-                self.process.kill()
+    def kill(self) -> bool:
+        """SIGKILL the process (its job is abandoned; ``replace`` starts the next one); whether it did.
+
+        Never waits: the event loop calls it. While a replacement (or ``close``) holds the process, nothing
+        is signalled and False is returned; the pool's thread, which is replacing it, checks whether the job
+        it is about to send was abandoned meanwhile (``BoundedPool._call``)."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if self.closed:
+                return False
+            self.process.kill()
+            return True
+        finally:
+            self._lock.release()
 
     def replace(self) -> bool:
         """Reap this process (killing it if needed) and start a new one in its place; False once closed."""
@@ -430,15 +442,23 @@ class BoundedPool:
                         self.retry_after_s,
                     )
         except asyncio.CancelledError:  # the request stopped waiting: free its worker too
-            if not future.cancel() and not hung_up():  # a client gone: its running job ends by itself, in ms
+            if future.cancel():
+                raise
+            if not hung_up():
                 self._abandon(future)
+            elif run_limit_s is not None and run_limit_s < float("inf"):
+                # A client gone: its running job ends by itself, in ms, or at its run limit (a stuck decode
+                # would otherwise keep its worker with nobody left to kill it).
+                run_end = (started_at[0] if started_at else time.monotonic()) + run_limit_s
+                asyncio.get_running_loop().call_later(max(run_end - time.monotonic(), 0.0), self._abandon, future)
             raise
         self._abandon(future)
         ran_s = now - (started_at[0] if started_at else submitted)
         raise JobTimeout(ran_s, by_run_limit=run_end <= budget_end)
 
     def _abandon(self, future: Future) -> None:
-        """Kill the process running ``future``'s job, if it still runs one (process mode only)."""
+        """Kill the process running ``future``'s job, if it still runs one (process mode only). Never waits
+        (``_Process.kill``): the event loop calls it."""
         if not self.processes:
             return
         with self._cond:
@@ -454,14 +474,13 @@ class BoundedPool:
             except OSError:
                 pass
         while True:
-            with self._cond:
-                while not self._heap:
-                    self._cond.wait()
-                _, _, _, future, fn, args, started_at = heapq.heappop(self._heap)
-                running = future.set_running_or_notify_cancel()
-                if running:
-                    started_at.append(time.monotonic())
-                    slot.job, slot.abandoned = future, False
+            job = self._next_job(slot)
+            if job is None:  # its process died while it had no job: replace it now, not at the next upload
+                logger.warning("decode worker %s %s while idle; replacing it", slot.process.name,
+                               slot.process.describe_death())
+                self._replace(slot)
+                continue
+            future, fn, args, running = job
             outcome: tuple[bool, object] | None = None
             if running:
                 try:
@@ -478,12 +497,34 @@ class BoundedPool:
             if abandoned:  # killed on purpose, perhaps just after it answered: start a fresh one
                 self._replace(slot)
 
+    def _next_job(self, slot: _Slot) -> tuple[Future, Callable, tuple, bool] | None:
+        """Wait for the next job and take it: ``(future, fn, args, running)``, ``running`` False when it was
+        cancelled while it waited (else ``slot.job`` is set and its start time noted). None when, while
+        waiting, the slot's process was found dead (checked every ``IDLE_CHECK_S``; a closed pool's are not)."""
+        idle_check_s = IDLE_CHECK_S if slot.process is not None else None
+        with self._cond:
+            while not self._heap:
+                if not self._cond.wait(timeout=idle_check_s) and not self._heap and self._died_idle(slot):
+                    return None
+            _, _, _, future, fn, args, started_at = heapq.heappop(self._heap)
+            running = future.set_running_or_notify_cancel()
+            if running:
+                started_at.append(time.monotonic())
+                slot.job, slot.abandoned = future, False
+        return future, fn, args, running
+
+    @staticmethod
+    def _died_idle(slot: _Slot) -> bool:
+        return slot.process is not None and not slot.process.closed and not slot.process.process.is_alive()
+
     def _call(self, slot: _Slot, fn: Callable, args: tuple):
         if slot.process is None:
             return fn(*args)
         if not slot.process.process.is_alive():  # died while idle
             logger.warning("decode worker %s %s; replacing it", slot.process.name, slot.process.describe_death())
             self._replace(slot)
+            if slot.abandoned:  # its caller gave up during the replacement (``kill`` does not wait for one)
+                raise _Abandoned("the job's time ran out while its worker was being replaced")
         try:
             return slot.process.call(fn, args)
         except (EOFError, OSError) as exc:

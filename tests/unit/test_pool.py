@@ -294,3 +294,94 @@ def test_the_hand_off_carries_frames_larger_than_the_socket_buffer_and_an_end_mi
         pool_module._receive(right)
     killed.join()
     right.close()
+
+
+def _loop_stall_s(scenario):
+    """Run ``scenario()`` (a coroutine function) beside a 10 ms ticker; (its result, the ticker's longest gap in s)."""
+    async def run():
+        gaps, done = [0.0], asyncio.Event()
+
+        async def tick():
+            last = time.monotonic()
+            while not done.is_set():
+                await asyncio.sleep(0.01)
+                now = time.monotonic()
+                gaps[0], last = max(gaps[0], now - last), now
+
+        ticker = asyncio.create_task(tick())
+        try:
+            return await scenario(), gaps[0]
+        finally:
+            done.set()
+            await ticker
+
+    return asyncio.run(run())
+
+
+def test_a_callers_time_running_out_during_a_workers_replacement_never_blocks_the_event_loop(monkeypatch):
+    from rampart.inputs import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "IDLE_CHECK_S", 60.0, raising=False)  # the dead worker is found by the job, as before
+    one = BoundedPool(workers=1, queue=2, processes=True)
+    try:
+        start = pool_module._Process._start
+
+        def slow_start(process):  # a replacement that takes 1.2 s: a forkserver starting again on a busy host
+            time.sleep(1.2)
+            start(process)
+
+        monkeypatch.setattr(pool_module._Process, "_start", slow_start)
+        one._slots[0].process.process.kill()  # dies while idle
+        one._slots[0].process.process.join()
+
+        async def scenario():
+            began = time.monotonic()
+            with pytest.raises(JobTimeout):  # its budget ends while the worker is being replaced
+                await one.run(time.sleep, 0, budget_s=0.3, run_limit_s=5.0)
+            return time.monotonic() - began
+
+        answered_s, stall_s = _loop_stall_s(scenario)
+        assert answered_s < 0.6
+        assert stall_s < 0.25, f"the event loop stalled {stall_s * 1000:.0f} ms"
+        _wait_for(lambda: one.stats()["alive"] == 1 and one.pending == 0, timeout_s=10)
+        assert asyncio.run(one.run(time.sleep, 0, budget_s=10, run_limit_s=10)) is None
+    finally:
+        one.close()
+
+
+def test_a_job_whose_client_hung_up_is_still_killed_at_its_run_limit():
+    from rampart import hangup
+
+    one = BoundedPool(workers=1, queue=2, processes=True)
+    try:
+        async def scenario():
+            async def gone_client():
+                hangup._CURRENT.set(hangup.Request(gone=True))  # as serve_until_hang_up marks a closed connection
+                await one.run(time.sleep, 30, budget_s=60, run_limit_s=0.5)  # a decode stuck for 30 s
+
+            task = asyncio.create_task(gone_client())
+            await asyncio.sleep(0.2)  # started
+            task.cancel()  # the client's request is cancelled
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            await asyncio.sleep(0.6)  # past the run limit
+            for _ in range(100):
+                if one.pending == 0 and one.replaced == 1:
+                    break
+                await asyncio.sleep(0.05)
+            return one.pending, one.replaced, await one.run(time.sleep, 0, budget_s=10, run_limit_s=10)
+
+        assert asyncio.run(scenario()) == (0, 1, None)
+    finally:
+        one.close()
+
+
+def test_a_worker_that_dies_while_idle_is_replaced_without_waiting_for_a_job():
+    one = BoundedPool(workers=2, queue=2, processes=True)
+    try:
+        for slot in one._slots:
+            slot.process.process.kill()
+        _wait_for(lambda: one.replaced == 2 and one.stats()["alive"] == 2, timeout_s=10)
+        assert asyncio.run(one.run(time.sleep, 0, budget_s=10, run_limit_s=10)) is None
+    finally:
+        one.close()
