@@ -242,12 +242,13 @@ async def body_chunks(request: Request, limit: int) -> AsyncIterator[bytes]:
         yield chunk
 
 
-async def within_deadline(reading: Awaitable[T], deadline: Deadline) -> T:
-    """``reading``'s result; ``BodyTimeout`` past the deadline, ``ClientDisconnected`` if the client hangs up."""
+async def within_deadline(reading: Awaitable[T], deadline: Deadline, late: str = "the body did not arrive") -> T:
+    """``reading``'s result; ``BodyTimeout`` past the deadline (its message starts with ``late``),
+    ``ClientDisconnected`` if the client hangs up."""
     try:
         return await run_within(reading, deadline.remaining_s())
     except asyncio.TimeoutError:
-        raise BodyTimeout(f"the body did not arrive within the deadline ({deadline.share_ms():.0f} ms)") from None
+        raise BodyTimeout(f"{late} within the deadline ({deadline.share_ms():.0f} ms)") from None
     except ClientDisconnect:
         raise ClientDisconnected("the client closed the connection before sending the whole body") from None
 

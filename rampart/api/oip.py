@@ -853,7 +853,8 @@ async def read_infer_body(request: Request, limit: int, deadline: Deadline, sett
         return await http.read_body_once(request, limit, deadline)
     try:
         return await http.within_deadline(_inflated(http.body_chunks(request, limit), decompressor, limit,
-                                                    functools.partial(hold_body_bytes, request.scope)), deadline)
+                                                    functools.partial(hold_body_bytes, request.scope)), deadline,
+                                          "the body was not received and decompressed")
     except BodiesOverBudget:
         raise http.bodies_over_budget(settings, retry_after_s()) from None
 

@@ -353,6 +353,15 @@ def test_a_decompression_bomb_stops_at_the_byte_cap(make_rig):
     assert response.status_code == 413 and response.json()["error"].startswith("payload_too_large: the decompressed")
 
 
+def test_a_bomb_under_the_cap_that_inflates_past_the_deadline_says_so(make_rig):
+    """A bomb of 256 MiB under a 320 MB cap: inflating it outlasts a 100 ms deadline, after the body had arrived."""
+    rig = make_rig(max_batch_images=16, max_body_bytes=20_000_000)
+    response = rig.client.post("/v2/models/rampart/infer", content=zeros_bomb(256 << 20),
+                               headers={"Content-Encoding": "gzip", "X-Deadline-Ms": "100"})
+    assert response.status_code == 408
+    assert response.json()["error"].startswith("request_timeout: the body was not received and decompressed within")
+
+
 def test_inflating_stops_reading_a_bomb_once_past_the_cap():
     bomb = zeros_bomb(64 << 20)
     pieces = [bomb[start:start + 1024] for start in range(0, len(bomb), 1024)]
