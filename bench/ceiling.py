@@ -12,7 +12,8 @@ into a private model store, and serves as both Rampart's primary and fallback
 (``RAMPART_PRIMARY_MODEL``, ``RAMPART_FALLBACK_MODEL``) and as the naive baseline's
 model (``bench.baselines.common.load_primary`` reads the same setting).
 
-For each server (Rampart with ``api_workers`` 1 and 2, the naive FastAPI baseline) and
+In each of ``ROUNDS`` rounds (the servers take turns, each started afresh, in reverse order every
+other round), for each server (Rampart with ``api_workers`` 1 and 2, the naive FastAPI baseline) and
 each body (``phone_jpeg``: a ~500 KB 1600×1200 JPEG; ``png_260``: a 260×260 PNG), one
 closed-loop round of aiohttp clients (``bench.loadgen.closed_loop_round``, every body
 made unique so the answer cache never answers), with the CPU time of every server
@@ -26,7 +27,10 @@ process over the round, read with psutil (``bench.process_cpu``) and grouped (``
 - ``supervisor``: ``bentoml serve``'s own process.
 
 CPU per request is each role's CPU seconds over the round divided by the requests
-answered in it (µs). *Serving overhead* is everything except decoding and the model:
+answered in it (µs). The report's ``runs`` give, per server and body, the round whose total is the
+median of its rounds; ``cpu_vs_naive`` each Rampart server's total over the naive server's in the same
+round, and their median: the naive server's own cost moved by a third between runs of one host (its
+PNG decode 2.5 and 3.2 ms of CPU a request), so the ratio is taken within a round. *Serving overhead* is everything except decoding and the model:
 for Rampart ``api + runners + supervisor − model``, for the naive baseline
 ``api − its decode − model``, where ``model`` (the engine's CPU per image at batch 1,
 calls back to back) is measured in this process on the same bodies (``in_process_costs``),
@@ -91,6 +95,8 @@ SMALL_PNG_SIDE = 260
 DEADLINE_MS = 10_000.0
 #: The target for serving overhead (everything but decoding and the model), µs of CPU per request.
 OVERHEAD_TARGET_US = 1000.0
+#: Rounds of a full (not ``--quick``) run: every server afresh in each, the order reversed every other round.
+ROUNDS = 3
 #: This scenario's groups of ``bench.process_cpu`` roles (module doc); a role not named keeps its name.
 ROLES = ("api", "decode_pool", "runners", "supervisor")
 GROUP_OF_ROLE = {"decode": "decode_pool", "primary": "runners", "fallback": "runners", "shadow": "runners"}
@@ -344,18 +350,25 @@ def _share(part: float, whole: float) -> float | None:
     return round(part / whole, 3) if whole > 0 else None
 
 
-def ceiling_scenario(out: Path, quick: bool, deadline_ms: float = DEADLINE_MS) -> dict:
-    """The near-free-model scenario (module doc): import, then Rampart with 1 and 2 API workers and
-    the naive baseline, one server at a time, each body in one measured round after a warm-up round.
+def ceiling_scenario(out: Path, quick: bool, deadline_ms: float = DEADLINE_MS, rounds: int | None = None) -> dict:
+    """The near-free-model scenario (module doc): import, then ``rounds`` rounds in which Rampart with 1 and 2
+    API workers and the naive baseline each start afresh, one server at a time, and each body gets one
+    measured round after a warm-up round. The servers take turns in each round, in reverse order every
+    other round (A, B, C, then C, B, A), so a host whose speed drifts during the run weighs on all of them.
 
-    ``quick``: only Rampart with 2 API workers and the naive baseline, 1 s rounds with 8
-    connections and no warm-up (proves the scenario and the worker count, measures little;
-    about 20 s); else all three servers, 10 s rounds with 16 connections after 3 s.
-    Logs and the private store go under ``out``. Returns ``{"model", "bodies", "settings",
-    "in_process_us", "runs": {server: {body: round}}, "ratios": {server: {body: req/s ÷ naive's}},
-    "wall_s": {server: {"ready", "total"}}, "overhead_target_us"}``.
+    ``quick``: only Rampart with 2 API workers and the naive baseline, one round of 1 s with 8 connections
+    and no warm-up (proves the scenario and the worker count, measures little; about 20 s); else all
+    three servers, ``rounds`` (default ``ROUNDS``) of 10 s with 16 connections after 3 s. Logs and the
+    private store go under ``out``. Returns ``{"model", "bodies", "settings", "in_process_us", "runs":
+    {server: {body: round}}, "rounds": {server: {body: [round, ...]}}, "cpu_vs_naive": {server: {body:
+    {"rounds": [...], "median": m}}}, "ratios": {server: {body: req/s ÷ naive's}}, "wall_s": {server:
+    {"ready", "total"}}, "overhead_target_us"}``. ``runs`` holds, per server and body, the round whose
+    total CPU per request is the median of its rounds; ``cpu_vs_naive`` divides a Rampart server's total
+    CPU per request by the naive server's in the same round, the one figure drift between rounds does
+    not bend.
     """
     connections, round_s, warm_s, repeats = (8, 1.0, 0.0, 5) if quick else (16, 10.0, 3.0, 50)
+    rounds = 1 if quick else (rounds or ROUNDS)
     directory = out / "near-free"
     onnx_path = near_free_onnx(directory / "near_free.onnx")
     importing = start_import(onnx_path, directory / "store")
@@ -373,33 +386,38 @@ def ceiling_scenario(out: Path, quick: bool, deadline_ms: float = DEADLINE_MS) -
                "naive": ("naive", {})}
     if quick:
         del servers["rampart_1_worker"]
-    runs: dict[str, dict] = {}
-    wall: dict[str, dict] = {}
-    for label, (name, extra) in servers.items():
-        started = time.monotonic()
-        home = private_bentoml_home(out / f"near-free-{label}-home", store)
-        env = {**home, "RAMPART_PRIMARY_MODEL": tag, "RAMPART_FALLBACK_MODEL": tag, **extra}
-        service = Service(name, out, env=env, label=f"near-free-{label}")
-        root_role = "api" if name == "naive" else "supervisor"
-        try:
-            service.wait_ready([jpeg])
-            wall[label] = {"ready": round(time.monotonic() - started, 1)}
-            runs[label] = {}
-            for body_name, body in bodies.items():
-                if warm_s:
-                    run_sync(closed_loop_round(service.url, [body], connections, warm_s, deadline_ms))
-                before = service.stats() if name == "naive" else None
-                run = measure_round(service, body, connections, round_s, deadline_ms, root_role)
-                if before is not None:
-                    run["naive_decode_served_us"] = served_decode_us(before, service.stats())
-                runs[label][body_name] = with_breakdown(run, costs[body_name], naive=name == "naive")
-        finally:
-            service.stop()
-        wall.setdefault(label, {})["total"] = round(time.monotonic() - started, 1)
-    for label in runs.keys() - {"naive"}:
+    every: dict[str, dict[str, list[dict]]] = {label: {body: [] for body in bodies} for label in servers}
+    wall: dict[str, dict] = {label: {"ready": [], "total": 0.0} for label in servers}
+    for index in range(rounds):
+        for label in (list(servers) if index % 2 == 0 else list(servers)[::-1]):
+            name, extra = servers[label]
+            started = time.monotonic()
+            home = private_bentoml_home(out / f"near-free-{label}-home", store)
+            env = {**home, "RAMPART_PRIMARY_MODEL": tag, "RAMPART_FALLBACK_MODEL": tag, **extra}
+            service = Service(name, out, env=env, label=f"near-free-{label}")
+            root_role = "api" if name == "naive" else "supervisor"
+            try:
+                service.wait_ready([jpeg])
+                wall[label]["ready"].append(round(time.monotonic() - started, 1))
+                for body_name, body in bodies.items():
+                    if warm_s:
+                        run_sync(closed_loop_round(service.url, [body], connections, warm_s, deadline_ms))
+                    before = service.stats() if name == "naive" else None
+                    run = measure_round(service, body, connections, round_s, deadline_ms, root_role)
+                    if before is not None:
+                        run["naive_decode_served_us"] = served_decode_us(before, service.stats())
+                    every[label][body_name].append({"round": index,
+                                                    **with_breakdown(run, costs[body_name], naive=name == "naive")})
+            finally:
+                service.stop()
+            wall[label]["total"] = round(wall[label]["total"] + time.monotonic() - started, 1)
+    for label in servers.keys() - {"naive"}:
         for body in bodies:
-            served = runs["naive"][body].get("naive_decode_served_us") or 0
-            runs[label][body]["decode_vs_naive_served"] = _share(runs[label][body]["decode_us"], served)
+            for mine, naive in zip(every[label][body], every["naive"][body]):
+                mine["decode_vs_naive_served"] = _share(mine["decode_us"], naive.get("naive_decode_served_us") or 0)
+    runs = {label: {body: _median_round(every[label][body]) for body in bodies} for label in servers}
+    cpu_vs_naive = {label: {body: _paired_cpu(every[label][body], every["naive"][body]) for body in bodies}
+                    for label in servers if label != "naive"}
     ratios = {label: {body: ratio(runs[label][body]["throughput_rps"], runs["naive"][body]["throughput_rps"])
                       for body in bodies} for label in runs if label != "naive"}
     return {
@@ -408,14 +426,30 @@ def ceiling_scenario(out: Path, quick: bool, deadline_ms: float = DEADLINE_MS) -
                   "import": "python -m models.import_models --shadow-onnx near_free.onnx --shadow-name "
                             f"{NEAR_FREE_NAME} --shadow-resolution {NEAR_FREE_RESOLUTION} --no-check"},
         "bodies": {"phone_jpeg": jpeg_info, "png_260": png_info},
-        "settings": {"connections": connections, "round_s": round_s, "warm_up_s": warm_s, "deadline_ms": deadline_ms},
+        "settings": {"connections": connections, "round_s": round_s, "warm_up_s": warm_s, "deadline_ms": deadline_ms,
+                     "rounds": rounds},
         "in_process_us": costs,
         "runs": runs,
+        "rounds": every,
+        "cpu_vs_naive": cpu_vs_naive,
         "ratios": ratios,
         "wall_s": wall,
         "overhead_target_us": OVERHEAD_TARGET_US,
     }
 
+
+def _median_round(rounds: list[dict]) -> dict:
+    """The round whose total CPU per request is the median of ``rounds`` (the lower middle one for an even count)."""
+    ordered = sorted(rounds, key=lambda run: run["cpu_us_per_request"]["total"])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _paired_cpu(mine: list[dict], naive: list[dict]) -> dict:
+    """Per round, a Rampart server's total CPU per request over the naive server's in the same round, and their
+    median (``{"rounds": [...], "median": m}``; None where the naive round answered nothing)."""
+    paired = [_share(a["cpu_us_per_request"]["total"], b["cpu_us_per_request"]["total"]) for a, b in zip(mine, naive)]
+    known = [value for value in paired if value is not None]
+    return {"rounds": paired, "median": round(statistics.median(known), 3) if known else None}
 
 
 def plot_ceiling(report: dict, path: Path) -> None:

@@ -68,6 +68,9 @@ def test_load_bench_quick_runs_end_to_end_with_both_baselines(tmp_path):
     assert processes["api"] == 2 and processes["runners"] == 2 and processes["decode_pool"] >= 4, processes
     assert ceiling["runs"]["rampart_2_workers"]["png_260"]["cpu_us_per_request"]["decode_pool"] > 0
     assert set(ceiling["ratios"]["rampart_2_workers"]) == {"phone_jpeg", "png_260"}
+    # Total CPU per request over the naive server's in the same round: the figure the cost target is judged by.
+    for body, paired in ceiling["cpu_vs_naive"]["rampart_2_workers"].items():
+        assert len(paired["rounds"]) == ceiling["settings"]["rounds"] == 1 and paired["median"] > 0, (body, paired)
     # Decode beside the naive server's whole decode and the lean reference, measured in the same run.
     for body in ("phone_jpeg", "png_260"):
         run = ceiling["runs"]["rampart_2_workers"][body]
