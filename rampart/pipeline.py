@@ -293,25 +293,35 @@ class Pipeline:
         idle behind uploads that are bound for the fallback anyway. Low-priority
         requests decode after every normal one (``LOW_DECODE_RANK``).
 
+        A decoder killed from outside (SIGKILL: the OOM killer under the pod's memory limit, an operator)
+        while it decoded says nothing certain about the upload, so it is decoded once more on another
+        worker; killed again, or crashed (a signal such as SIGSEGV, an exit), the upload is taken as
+        the cause.
+
         Raises ``DecodeTimeout`` past ``decode_timeout_ms``, ``JobTimeout`` when the
         deadline ran out first, ``Overloaded`` when no decoder is free in time,
         ``CorruptImage`` when the decoder process died on the input, and the
         decoder's own ``ImageError``.
         """
-        try:
-            first_holds = getattr(admission, self.order[0].role) is not None
-            rank = DECODE_RANK["first" if first_holds else "second"]
-            klass = priority_rank(priority)
-            rank += LOW_DECODE_RANK if klass == LOW else 0
-            prepared = await self.pool.run(prepare, data, self.plan, self._decode_role(admission), high=klass == HIGH,
-                                           rank=rank, budget_s=deadline.remaining_s(),
-                                           run_limit_s=self.settings.decoding.timeout_ms / 1000)
-        except JobTimeout as exc:
-            if exc.by_run_limit:
-                raise DecodeTimeout(f"decoding took longer than {self.settings.decoding.timeout_ms} ms") from None
-            raise
-        except WorkerDied as exc:  # a decoder crash (or the OOM killer) on this input: the input's fault
-            raise CorruptImage(f"the image could not be decoded: {exc}") from None
+        first_holds = getattr(admission, self.order[0].role) is not None
+        rank = DECODE_RANK["first" if first_holds else "second"]
+        klass = priority_rank(priority)
+        rank += LOW_DECODE_RANK if klass == LOW else 0
+        for attempt in (1, 2):
+            try:
+                prepared = await self.pool.run(prepare, data, self.plan, self._decode_role(admission),
+                                               high=klass == HIGH, rank=rank, budget_s=deadline.remaining_s(),
+                                               run_limit_s=self.settings.decoding.timeout_ms / 1000)
+                break
+            except JobTimeout as exc:
+                if exc.by_run_limit:
+                    raise DecodeTimeout(f"decoding took longer than {self.settings.decoding.timeout_ms} ms") from None
+                raise
+            except WorkerDied as exc:  # a decoder crash on this input: the input's fault
+                if exc.killed and attempt == 1:
+                    logger.warning("a decode worker was killed from outside while it decoded; decoding again")
+                    continue
+                raise CorruptImage(f"the image could not be decoded: {exc}") from None
         metrics.INPUT_MEGAPIXELS.observe(prepared.declared_size[0] * prepared.declared_size[1] / 1e6)
         return prepared
 

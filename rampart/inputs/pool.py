@@ -75,7 +75,14 @@ class JobTimeout(Exception):
 
 
 class WorkerDied(Exception):
-    """The worker process running the job died without being asked to (exit code or signal in the message)."""
+    """The worker process running the job died without being asked to (exit code or signal in the message).
+
+    ``killed``: it was ended by SIGKILL from outside the pool (the OOM killer, an operator), which says
+    nothing certain about the job; a crash (SIGSEGV, SIGABRT, an exit) does."""
+
+    def __init__(self, message: str, killed: bool = False) -> None:
+        super().__init__(message)
+        self.killed = killed
 
 
 class _Abandoned(Exception):
@@ -531,9 +538,10 @@ class BoundedPool:
             if slot.abandoned:
                 raise _Abandoned("the job ran past its limit and its worker was killed") from None
             death = slot.process.describe_death()
+            killed = slot.process.process.exitcode == -signal.SIGKILL  # read before the replacement takes its place
             logger.warning("decode worker %s %s during a job; replacing it", slot.process.name, death)
             self._replace(slot)
-            raise WorkerDied(f"the decode worker {death}") from exc
+            raise WorkerDied(f"the decode worker {death}", killed=killed) from exc
 
     def _replace(self, slot: _Slot) -> None:
         try:

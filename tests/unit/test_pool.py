@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import multiprocessing
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -385,3 +386,27 @@ def test_a_worker_that_dies_while_idle_is_replaced_without_waiting_for_a_job():
         assert asyncio.run(one.run(time.sleep, 0, budget_s=10, run_limit_s=10)) is None
     finally:
         one.close()
+
+
+def test_an_upload_whose_decoder_is_killed_from_outside_is_decoded_again_and_answered():
+    """SIGKILL of a decoding worker (the OOM killer under a pod's limit) is not the upload's fault: one more
+    decode on another worker, and the answer. (A second death would be 400 corrupt_image, as a crash is.)"""
+    settings = Settings(decode_timeout_ms=10_000, fault_decode_hang=True)
+    chain = stand_in_chain(settings, pool=decode_pool(settings))
+    try:
+        async def scenario():
+            answer = asyncio.create_task(chain.classify(encode(photo("chelsea")), 3, Deadline(20_000)))
+            for _ in range(200):  # until a worker holds the (hanging) decode
+                busy = [slot for slot in chain.pool._slots if slot.job is not None]
+                if busy:
+                    break
+                await asyncio.sleep(0.02)
+            chain.plan = dataclasses.replace(chain.plan, fault_hang=False)  # the next decode will not hang
+            os.kill(busy[0].process.process.pid, signal.SIGKILL)
+            return await answer
+
+        answer = asyncio.run(scenario())
+        assert answer["labels"][0]["index"] == 1 and answer["degraded"] is False
+        _wait_for(lambda: chain.state()["decode_workers"]["replaced"] >= 1)
+    finally:
+        chain.pool.close()
