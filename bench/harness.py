@@ -313,10 +313,11 @@ class Service(Server):
         self.stop_group()
 
 
-def measure_service(name: str, out: Path, bodies: list[bytes], measure: Callable[[Service], dict]) -> dict:
-    """Start ``Service(name, out)``, wait until it answers ``bodies[0]``, return ``measure(service)``; the service
-    is stopped whatever happens."""
-    service = Service(name, out)
+def measure_service(name: str, out: Path, bodies: list[bytes], measure: Callable[[Service], dict],
+                    env: dict[str, str] | None = None, label: str | None = None) -> dict:
+    """Start ``Service(name, out, env, label)``, wait until it answers ``bodies[0]``, return ``measure(service)``;
+    the service is stopped whatever happens."""
+    service = Service(name, out, env=env, label=label)
     try:
         service.wait_ready(bodies)
         return measure(service)

@@ -4,9 +4,11 @@
 The raw ceiling (``bench.raw_ceiling``), then Rampart's ramp up to 64 clients (``bench.ramp``)
 and one more step at its primary-path knee's client count with the server's CPU per request
 by process (measured) and by stage (py-spy samples, when installed): ``bench.cpu_budget``;
-then each baseline's ramp, one server at a time. ``knee_ratios`` divides Rampart's
-primary-path knee by the raw primary ceiling at its best batch size and by every baseline's
-knee that ran. Also step 7 of ``python -m bench.load_bench``.
+then each baseline's ramp, one server at a time, and, when Rampart's primary chose another engine than
+PyTorch (``RAMPART_PRIMARY_ENGINE=auto`` on a CPU host may pick its ONNX export), the naive server once
+more on that engine (``naive_onnx``). ``knee_ratios`` divides Rampart's primary-path knee by the raw
+primary ceiling at its best batch size, by every baseline's knee that ran, and by the naive knee on the
+engine Rampart chose (``naive_on_chosen_engine``). Also step 7 of ``python -m bench.load_bench``.
 """
 
 from __future__ import annotations
@@ -15,21 +17,24 @@ import json
 import sys
 from pathlib import Path
 
+from bench.baselines.common import BASELINE_ENGINE_VARIABLE
 from bench.harness import SLO_MS, Service, Sizes, machine, measure_service, ratio, run_scenario
 from bench.loadgen import closed_loop, load_bodies, run_sync, summarize
 from bench.peers import skipped_peer
 from bench.ramp import ramp
 from bench.raw_ceiling import raw_ceiling
 
-__all__ = ["knee_ratios", "budget_step", "knee_comparison", "run", "main"]
+__all__ = ["knee_ratios", "primary_engine", "budget_step", "knee_comparison", "run", "main"]
 
 
 def knee_ratios(results: dict) -> dict:
     """Rampart's primary-path knee (``primary_knee`` ``full_rps``, req/s) against the raw primary model ceiling at
     its best batch size (images/s, ``raw_ceiling_ips``) and against every baseline in ``results`` (its knee
-    throughput, req/s; each baseline answers from the same model only): ``{"raw_ceiling": …, "<baseline>": …}``,
-    each also with the two figures it divides. Baselines are the services ``Service.COMMANDS`` names, other than
-    Rampart, that ran."""
+    throughput, req/s; each baseline answers from the same model only): ``{"raw_ceiling": …, "<baseline>": …,
+    "naive_on_chosen_engine": …}``, each also with the two figures it divides. Baselines are the services
+    ``Service.COMMANDS`` names, other than Rampart, that ran; ``naive_on_chosen_engine`` is the naive server
+    on the engine Rampart's primary chose (``results["rampart"]["primary_engine"]``): the naive run itself
+    for torch, else ``results["naive_<engine>"]``."""
     ours = results["rampart"]["ramp"]["primary_knee"]["full_rps"]
     out = {}
     ceiling = results.get("raw_ceiling_ips", {}).get("primary")
@@ -41,7 +46,19 @@ def knee_ratios(results: dict) -> dict:
         if name != "rampart" and name in results and "ramp" in results[name]:
             theirs = results[name]["ramp"]["knee"]["throughput_rps"]
             out[name] = {"ratio": ratio(ours, theirs), "rampart_primary_knee_rps": ours, "knee_rps": theirs}
+    chosen = results["rampart"].get("primary_engine")
+    same_engine = "naive" if chosen == "torch" else f"naive_{chosen}"
+    if chosen and same_engine in results and "ramp" in results[same_engine]:
+        theirs = results[same_engine]["ramp"]["knee"]["throughput_rps"]
+        out["naive_on_chosen_engine"] = {"engine": chosen, "baseline": same_engine, "ratio": ratio(ours, theirs),
+                                         "rampart_primary_knee_rps": ours, "knee_rps": theirs}
     return out
+
+
+def primary_engine(service: Service) -> str | None:
+    """The engine Rampart's primary runs on (``torch`` or ``onnx``), from its ``GET /stats``; None if not said."""
+    stats = service.stats() or {}
+    return ((stats.get("primary") or {}).get("runner") or {}).get("engine", {}).get("engine")
 
 
 def budget_step(service: Service, bodies: list[bytes], clients: int, step_s: float) -> dict:
@@ -72,6 +89,7 @@ def knee_comparison(out: Path, batch_sizes: list[int], repeats: int, clients: li
         measured = {"ramp": ramp(service, bodies, clients, step_s)}
         if service.name == "rampart":
             measured["cpu_budget"] = budget_step(service, bodies, measured["ramp"]["primary_knee"]["clients"], budget_s)
+            measured["primary_engine"] = primary_engine(service)
         return measured
 
     for name in Service.COMMANDS:
@@ -79,6 +97,12 @@ def knee_comparison(out: Path, batch_sizes: list[int], repeats: int, clients: li
             continue
         results[name] = measure_service(name, out, bodies, measure)
         print(name, json.dumps(results[name]["ramp"]["primary_knee"]), flush=True)
+    chosen = results["rampart"].get("primary_engine")
+    if chosen and chosen != "torch" and "naive" in results:  # the naive server runs the model's own engine, torch
+        label = f"naive_{chosen}"
+        results[label] = measure_service("naive", out, bodies, measure, env={BASELINE_ENGINE_VARIABLE: chosen},
+                                         label=label)
+        print(label, json.dumps(results[label]["ramp"]["primary_knee"]), flush=True)
     results["knee_ratios"] = knee_ratios(results)
     (out / "knee.json").write_text(json.dumps(results, indent=2))
     print(json.dumps({"knee_ratios": results["knee_ratios"], "cpu_budget": results["rampart"]["cpu_budget"]}, indent=2))

@@ -41,8 +41,10 @@ each service runs in its own subprocess on 127.0.0.1.
 7. **Knee ratios and CPU budget**. Each ramp step also counts *full* answers
    per second (``full_rps``: from the primary, not degraded); Rampart's *primary-path
    knee* (``primary_knee``) is the step with the most of them at P99 ≤ SLO and ≤ 1%
-   errors. ``knee_ratios`` divides it by the raw primary ceiling at its best batch size
-   and by every baseline's knee that ran. ``cpu_budget`` is one more step at the
+   errors. ``knee_ratios`` divides it by the raw primary ceiling at its best batch size,
+   by every baseline's knee that ran and by the naive knee on the engine Rampart's primary
+   chose (``naive_on_chosen_engine``: the naive server once more on that engine,
+   ``naive_onnx``, when it is not PyTorch). ``cpu_budget`` is one more step at the
    primary-path knee's client count with the server's CPU per request by process
    (measured) and by stage (py-spy samples, when installed): ``bench.cpu_budget``.
    ``--knee-only`` runs just steps 1, 2 (up to 64 clients), the budget and the baselines'
@@ -80,10 +82,12 @@ from bench import ablation, cascade, ceiling, closed_loop, knee_budget, peers
 from bench.cascade import cascade_arm, cascade_scenario, scenario_bodies
 from bench.ceiling import ceiling_scenario, plot_ceiling
 from bench.harness import SLO_MS, Service, Sizes, machine
-from bench.knee_budget import budget_step, knee_ratios
+from bench.baselines.common import BASELINE_ENGINE_VARIABLE
+from bench.knee_budget import budget_step, knee_ratios, primary_engine
 from bench.loadgen import load_bodies, sweep
 from bench.overload import drain, ramp_and_overload
 from bench.peers import PEERS, service_ratios, skipped_peer
+from bench.ramp import ramp
 from bench.raw_ceiling import raw_ceiling
 
 __all__ = ["main", "full_run", "plot"]
@@ -163,7 +167,8 @@ def _measure_all(out: Path, quick: bool, sweep_client: str, command: str, sizes:
             if name == "rampart":
                 def budget(measured: dict, service: Service = service) -> dict:
                     return {"cpu_budget": budget_step(service, bodies, measured["ramp"]["primary_knee"]["clients"],
-                                                      sizes.budget_s)}
+                                                      sizes.budget_s),
+                            "primary_engine": primary_engine(service)}
 
                 results[name] = ramp_and_overload(service, bodies, sizes, sizes.factors, after_ramp=budget)
                 drain(service, bodies)
@@ -176,6 +181,17 @@ def _measure_all(out: Path, quick: bool, sweep_client: str, command: str, sizes:
         finally:
             service.stop()
         print(name, json.dumps(results[name]["ramp"]["knee"]), flush=True)
+
+    chosen = results["rampart"].get("primary_engine")
+    if chosen and chosen != "torch" and "naive" in results:  # the naive server on the engine Rampart chose, too
+        label = f"naive_{chosen}"
+        service = Service("naive", out, env={BASELINE_ENGINE_VARIABLE: chosen}, label=label)
+        try:
+            service.wait_ready(bodies)
+            results[label] = {"ramp": ramp(service, bodies, sizes.clients, sizes.step_s)}
+        finally:
+            service.stop()
+        print(label, json.dumps(results[label]["ramp"]["knee"]), flush=True)
 
     results["cascade"] = cascade_scenario(out, named, sizes.clients, sizes.step_s, {"primary-first": primary_first_arm},
                                           started=started)

@@ -11,6 +11,7 @@ Preprocessing is the usual naive path: full decode, convert to RGB, squash to
 from __future__ import annotations
 
 import io
+import os
 
 import numpy as np
 from PIL import Image
@@ -18,12 +19,19 @@ from PIL import Image
 from rampart.results import top_labels
 
 
+#: Environment variable naming the engine a baseline runs the model on (``torch`` or ``onnx``: a PyTorch
+#: model's checked ONNX export); unset, the model's own framework. ``bench.knee_budget`` sets it to the
+#: engine Rampart's primary chose, for a baseline on the same engine.
+BASELINE_ENGINE_VARIABLE = "RAMPART_BASELINE_ENGINE"
+
+
 def load_primary(tag: str | None = None):
     """(engine, labels, resolution) of the stored model ``tag`` (default: the ``primary_model`` setting).
 
-    The engine is the one Rampart's runner would use for it (PyTorch or ONNX, by the
-    model's ``framework`` metadata). Raises ``bentoml.exceptions.NotFound`` when ``tag``
-    is not in the store.
+    The engine is the one Rampart's runner would use for it by default (PyTorch or ONNX, by the
+    model's ``framework`` metadata), or the one ``RAMPART_BASELINE_ENGINE`` names
+    (``BASELINE_ENGINE_VARIABLE``). Raises ``bentoml.exceptions.NotFound`` when ``tag`` is not in
+    the store, ``ValueError`` for an engine the model cannot run on.
     """
     import bentoml
 
@@ -33,7 +41,8 @@ def load_primary(tag: str | None = None):
     settings = get_settings()
     stored = bentoml.models.get(tag or settings.primary.model)
     meta = stored.info.metadata
-    return load_engine(stored, settings.gpu_memory_fraction), list(meta["labels"]), int(meta["resolution"])
+    engine = load_engine(stored, settings.gpu_memory_fraction, engine=os.environ.get(BASELINE_ENGINE_VARIABLE) or None)
+    return engine, list(meta["labels"]), int(meta["resolution"])
 
 
 def naive_pixels(data: bytes | Image.Image, resolution: int) -> np.ndarray:

@@ -42,7 +42,11 @@ def test_load_bench_quick_runs_end_to_end_with_both_baselines(tmp_path):
     assert [r["connections"] for r in sweep] == [1, 4] and all(r["client_cpu_ms_per_request"] > 0 for r in sweep)
     assert set(results["ratios"]) == {"naive", "plain_bentoml"}
     # The primary-path knee against the raw ceiling and each baseline; the CPU budget at that knee.
-    assert set(results["knee_ratios"]) == {"raw_ceiling", "naive", "plain_bentoml"}, results["knee_ratios"]
+    assert set(results["knee_ratios"]) == {"raw_ceiling", "naive", "plain_bentoml", "naive_on_chosen_engine"}, \
+        results["knee_ratios"]
+    # The default primary runs on PyTorch, as the naive server does: the naive knee is the same-engine one.
+    assert results["rampart"]["primary_engine"] == "torch"
+    assert results["knee_ratios"]["naive_on_chosen_engine"]["baseline"] == "naive"
     budget = results["rampart"]["cpu_budget"]
     assert budget["requests"] > 0 and all(budget["cpu_us_per_request"][role] > 0 for role in ("api", "primary")), budget
     # Cascade against primary-first on the 24 quick evaluation images: every image compared, routes as asked.
