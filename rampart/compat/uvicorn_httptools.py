@@ -66,6 +66,13 @@ such an answer, the rest of the body read and dropped for at most ``LINGER_S``. 
 next request on the connection as it closed, and got no answer ("Server disconnected without sending a
 response"; a 503 answered during warm-up before the upload had all arrived).
 
+**An answer's head and body in one write.** uvicorn writes an answer's head when the app starts it and
+its body when the app sends it: two writes, with the app's send wrappers between them. A replica killed
+between the two (SIGKILL, the OOM killer) left its client a 200 head without a body, which a load
+balancer has already passed on and cannot send to another replica (one request of 174 in a fresh
+clone's two-replica SIGKILL test). ``EarlyAnswerCycle`` holds the head and writes it with the first
+piece of the body, so the kernel has the whole (small) answer or none of it.
+
 **First byte.** ``stamp_arrivals()`` notes when each request's first byte arrived in its
 ASGI scope (``rampart.api.arrival.ARRIVAL_KEY``), where the deadline clock starts.
 
@@ -121,8 +128,37 @@ class EarlyAnswerCycle(RequestResponseCycle):
     """
 
     on_early_answer = None  # set by HeadLimitedProtocol.on_headers_complete
+    _held: "_HeldWrites | None" = None  # the answer's head, until its body's first piece is written with it
 
     async def send(self, message) -> None:
+        """uvicorn's ``send``, except that the answer's head is written together with the first piece of its
+        body, in one write: uvicorn wrote them apart, and a process killed between the two (a replica's
+        SIGKILL) left the client a head without its body, a broken answer that the load balancer cannot
+        send again elsewhere. In one write (a Rampart answer is a few KiB) the kernel has all of it or none."""
+        if message["type"] == "http.response.start" and not self.response_started:
+            real, self.transport = self.transport, _HeldWrites(self.transport)
+            try:
+                await self._send_marking_early_answers(message)
+            finally:
+                self._held, self.transport = self.transport, real
+            return
+        held, self._held = self._held, None
+        if held is None:
+            await self._send_marking_early_answers(message)
+            return
+        if not message.get("body") or self.scope["method"] == "HEAD":  # no bytes to write the head with
+            held.flush()
+            await self._send_marking_early_answers(message)
+            return
+        # uvicorn writes a body piece before anything else it does at the answer's end (close, on_response)
+        real, self.transport = self.transport, held.writing_through_with_the_next_write()
+        try:
+            await self._send_marking_early_answers(message)
+        finally:
+            self.transport = real
+            held.flush()
+
+    async def _send_marking_early_answers(self, message) -> None:
         if self.response_started or not self.more_body:
             await super().send(message)
             return
@@ -131,6 +167,41 @@ class EarlyAnswerCycle(RequestResponseCycle):
         self.keep_alive = True  # ...and does not close at the answer's end: the protocol closes after LINGER_S
         if self.response_started:
             self.on_early_answer()
+
+
+class _HeldWrites:
+    """Stands in for a cycle's transport while an answer's head waits for its body: ``write`` keeps the bytes
+    until ``writing_through_with_the_next_write`` (then the next write sends them with its own, in one write, and
+    later writes go straight through) or ``flush``. ``close`` flushes first. Anything else is the real
+    transport's."""
+
+    def __init__(self, transport) -> None:
+        self._transport = transport
+        self._chunks: list[bytes] = []
+        self._through = False
+
+    def writing_through_with_the_next_write(self) -> "_HeldWrites":
+        self._through = True
+        return self
+
+    def write(self, data: bytes) -> None:
+        if not self._through:
+            self._chunks.append(data)
+            return
+        chunks, self._chunks = self._chunks, []
+        self._transport.write(b"".join([*chunks, data]) if chunks else data)
+
+    def flush(self) -> None:
+        chunks, self._chunks = self._chunks, []
+        if chunks:
+            self._transport.write(b"".join(chunks))
+
+    def close(self) -> None:
+        self.flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
 
 
 class _PipelineTooDeep(Exception):

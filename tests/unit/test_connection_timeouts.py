@@ -46,14 +46,16 @@ async def hello(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-def serving(test, app=hello):
-    """Run ``test(port)`` against a uvicorn server of ``app`` with ``FastProtocol`` on 127.0.0.1; stop it after."""
+def serving(test, app=hello, protocol=None):
+    """Run ``test(port)`` against a uvicorn server of ``app`` with ``protocol`` (default ``FastProtocol``) on
+    127.0.0.1; stop it after."""
 
     async def run() -> None:
         FastProtocol.made.clear()
         listener = socket.socket()
         listener.bind(("127.0.0.1", 0))
-        config = uvicorn.Config(app, http=FastProtocol, lifespan="off", log_level="warning", access_log=False)
+        config = uvicorn.Config(app, http=protocol or FastProtocol, lifespan="off", log_level="warning",
+                                access_log=False)
         server = uvicorn.Server(config)
         serving_task = asyncio.create_task(server.serve(sockets=[listener]))
         while not server.started:
@@ -396,3 +398,54 @@ def test_a_client_that_half_closes_after_its_request_is_answered_only_when_hang_
             assert reply == b"", reply
 
     serving(test, slow_hello)
+
+
+class RecordingProtocol(FastProtocol):
+    """``FastProtocol`` whose transport records each ``write``."""
+
+    writes: list[bytes] = []
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(_Recording(transport, RecordingProtocol.writes))
+
+
+class _Recording:
+    def __init__(self, transport, writes: list[bytes]) -> None:
+        self._transport, self._writes = transport, writes
+
+    def write(self, data: bytes) -> None:
+        self._writes.append(bytes(data))
+        self._transport.write(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
+async def slow_stream(scope, receive, send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await asyncio.sleep(0.05)
+    await send({"type": "http.response.body", "body": b"first", "more_body": True})
+    await send({"type": "http.response.body", "body": b"second"})
+
+
+def test_an_answers_head_is_written_with_its_body_in_one_write():
+    """A process killed between the head and the body left its client a broken answer; written together, the
+    kernel has all of it or none. A streamed answer's head goes with its first piece."""
+
+    async def test(port: int) -> None:
+        for path in ("/", "/stream"):
+            RecordingProtocol.writes.clear()
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            await writer.drain()
+            answer = await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n" if path == "/stream" else b"ok"), 5)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 200 OK")
+            first = RecordingProtocol.writes[0]
+            assert first.startswith(b"HTTP/1.1 200 OK") and first.endswith(b"ok" if path == "/" else b"first\r\n")
+            assert len(RecordingProtocol.writes) == (1 if path == "/" else 2), RecordingProtocol.writes
+
+    async def app(scope, receive, send) -> None:
+        await (slow_stream if scope["path"] == "/stream" else hello)(scope, receive, send)
+
+    serving(test, app, protocol=RecordingProtocol)
