@@ -120,8 +120,40 @@ def _link(link: Path, target: Path) -> None:
         link.symlink_to(target, target_is_directory=True)
 
 
+#: Ports ``free_port`` hands out this process (never the same one twice).
+_HANDED_OUT: set[int] = set()
+
+
+def server_port_range() -> range:
+    """The ports ``free_port`` draws from: the 10,000 below Linux's ephemeral range (``ip_local_port_range``,
+    32768-60999 by default), or an empty range where that is not known or starts too low.
+
+    ``bind(0)`` hands out a port of the ephemeral range, which every outgoing connection also draws its local
+    port from: between the pick and the server's own bind, one of the load generator's hundreds of client
+    connections took such a port once (a fresh clone's load benchmark: ``Address already in use``)."""
+    try:
+        low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return range(0)
+    return range(low - 10_000, low) if low > 11_024 else range(0)
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS's choice; another process may take it before it is used)."""
+    """A TCP port free on 127.0.0.1 now, below the ephemeral range (``server_port_range``) so no outgoing
+    connection takes it meanwhile, and not handed out before by this process; the OS's choice (``bind(0)``)
+    where that range is unknown. Another server may still take it before it is used."""
+    ports = server_port_range()
+    for _ in range(200 if ports else 0):
+        port = ports[int.from_bytes(os.urandom(2), "little") % len(ports)]
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

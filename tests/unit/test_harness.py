@@ -3,6 +3,7 @@ subprocesses (no BentoML server): log, private BentoML home, readiness, stop by 
 
 from __future__ import annotations
 
+import socket
 import signal
 import subprocess
 import sys
@@ -121,3 +122,17 @@ def test_sigterm_to_a_command_that_started_a_server_stops_the_server(tmp_path):
     assert command.wait(timeout=20) == 128 + signal.SIGTERM
     psutil.wait_procs([psutil.Process(server_pid)] if psutil.pid_exists(server_pid) else [], timeout=10)
     assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_free_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_twice():
+    """Outgoing connections draw their local ports from the ephemeral range; a server port picked there was
+    taken by the load generator's own connections once before the server bound it."""
+    from bench.harness import free_port, server_port_range
+
+    ephemeral_low = int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert server_port_range() and all(port < ephemeral_low and port in server_port_range() for port in ports)
+    for port in ports[:3]:  # and each is free to bind
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
