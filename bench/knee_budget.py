@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from bench.baselines.common import BASELINE_ENGINE_VARIABLE
@@ -24,7 +25,8 @@ from bench.peers import skipped_peer
 from bench.ramp import ramp
 from bench.raw_ceiling import raw_ceiling
 
-__all__ = ["knee_ratios", "primary_engine", "budget_step", "knee_comparison", "run", "main"]
+__all__ = ["knee_ratios", "naive_on", "measure_naive_on_chosen_engine", "primary_engine", "budget_step", "knee_comparison",
+           "run", "main"]
 
 
 def knee_ratios(results: dict) -> dict:
@@ -47,12 +49,31 @@ def knee_ratios(results: dict) -> dict:
             theirs = results[name]["ramp"]["knee"]["throughput_rps"]
             out[name] = {"ratio": ratio(ours, theirs), "rampart_primary_knee_rps": ours, "knee_rps": theirs}
     chosen = results["rampart"].get("primary_engine")
-    same_engine = "naive" if chosen == "torch" else f"naive_{chosen}"
-    if chosen and same_engine in results and "ramp" in results[same_engine]:
+    same_engine = naive_on(chosen) if chosen else None
+    if same_engine in results and "ramp" in results[same_engine]:
         theirs = results[same_engine]["ramp"]["knee"]["throughput_rps"]
         out["naive_on_chosen_engine"] = {"engine": chosen, "baseline": same_engine, "ratio": ratio(ours, theirs),
                                          "rampart_primary_knee_rps": ours, "knee_rps": theirs}
     return out
+
+
+def naive_on(engine: str) -> str:
+    """The results key of the naive server on ``engine``: ``naive`` for torch (the model's own engine, which the
+    naive server runs by default), else ``naive_<engine>``."""
+    return "naive" if engine == "torch" else f"naive_{engine}"
+
+
+def measure_naive_on_chosen_engine(results: dict, out: Path, bodies: list[bytes],
+                                   measure: Callable[[Service], dict]) -> None:
+    """When Rampart's primary chose another engine than the naive server's own (``results["rampart"]
+    ["primary_engine"]``), ``measure`` the naive server once more on that engine (``RAMPART_BASELINE_ENGINE``)
+    into ``results["naive_<engine>"]``; nothing when it chose torch or the naive server did not run."""
+    chosen = results["rampart"].get("primary_engine")
+    label = naive_on(chosen) if chosen else "naive"
+    if label == "naive" or "naive" not in results:
+        return
+    results[label] = measure_service("naive", out, bodies, measure, env={BASELINE_ENGINE_VARIABLE: chosen}, label=label)
+    print(label, json.dumps(results[label]["ramp"]["knee"]), flush=True)
 
 
 def primary_engine(service: Service) -> str | None:
@@ -97,12 +118,7 @@ def knee_comparison(out: Path, batch_sizes: list[int], repeats: int, clients: li
             continue
         results[name] = measure_service(name, out, bodies, measure)
         print(name, json.dumps(results[name]["ramp"]["primary_knee"]), flush=True)
-    chosen = results["rampart"].get("primary_engine")
-    if chosen and chosen != "torch" and "naive" in results:  # the naive server runs the model's own engine, torch
-        label = f"naive_{chosen}"
-        results[label] = measure_service("naive", out, bodies, measure, env={BASELINE_ENGINE_VARIABLE: chosen},
-                                         label=label)
-        print(label, json.dumps(results[label]["ramp"]["primary_knee"]), flush=True)
+    measure_naive_on_chosen_engine(results, out, bodies, measure)
     results["knee_ratios"] = knee_ratios(results)
     (out / "knee.json").write_text(json.dumps(results, indent=2))
     print(json.dumps({"knee_ratios": results["knee_ratios"], "cpu_budget": results["rampart"]["cpu_budget"]}, indent=2))

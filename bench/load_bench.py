@@ -82,8 +82,7 @@ from bench import ablation, cascade, ceiling, closed_loop, knee_budget, peers
 from bench.cascade import cascade_arm, cascade_scenario, scenario_bodies
 from bench.ceiling import ceiling_scenario, plot_ceiling
 from bench.harness import SLO_MS, Service, Sizes, machine
-from bench.baselines.common import BASELINE_ENGINE_VARIABLE
-from bench.knee_budget import budget_step, knee_ratios, primary_engine
+from bench.knee_budget import budget_step, knee_ratios, measure_naive_on_chosen_engine, primary_engine
 from bench.loadgen import load_bodies, sweep
 from bench.overload import drain, ramp_and_overload
 from bench.peers import PEERS, service_ratios, skipped_peer
@@ -182,16 +181,8 @@ def _measure_all(out: Path, quick: bool, sweep_client: str, command: str, sizes:
             service.stop()
         print(name, json.dumps(results[name]["ramp"]["knee"]), flush=True)
 
-    chosen = results["rampart"].get("primary_engine")
-    if chosen and chosen != "torch" and "naive" in results:  # the naive server on the engine Rampart chose, too
-        label = f"naive_{chosen}"
-        service = Service("naive", out, env={BASELINE_ENGINE_VARIABLE: chosen}, label=label)
-        try:
-            service.wait_ready(bodies)
-            results[label] = {"ramp": ramp(service, bodies, sizes.clients, sizes.step_s)}
-        finally:
-            service.stop()
-        print(label, json.dumps(results[label]["ramp"]["knee"]), flush=True)
+    measure_naive_on_chosen_engine(results, out, bodies,
+                                   lambda service: {"ramp": ramp(service, bodies, sizes.clients, sizes.step_s)})
 
     results["cascade"] = cascade_scenario(out, named, sizes.clients, sizes.step_s, {"primary-first": primary_first_arm},
                                           started=started)
