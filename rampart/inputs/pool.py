@@ -483,9 +483,7 @@ class BoundedPool:
         while True:
             job = self._next_job(slot)
             if job is None:  # its process died while it had no job: replace it now, not at the next upload
-                logger.warning("decode worker %s %s while idle; replacing it", slot.process.name,
-                               slot.process.describe_death())
-                self._replace(slot)
+                self._replace_if_died_idle(slot)
                 continue
             future, fn, args, running = job
             outcome: tuple[bool, object] | None = None
@@ -524,14 +522,21 @@ class BoundedPool:
     def _died_idle(slot: _Slot) -> bool:
         return slot.process is not None and not slot.process.closed and not slot.process.process.is_alive()
 
+    def _replace_if_died_idle(self, slot: _Slot) -> bool:
+        """Replace the slot's process (logging how it died) if it died while it had no job; whether it had."""
+        if not self._died_idle(slot):
+            return False
+        logger.warning("decode worker %s %s while idle; replacing it", slot.process.name, slot.process.describe_death())
+        self._replace(slot)
+        return True
+
     def _call(self, slot: _Slot, fn: Callable, args: tuple):
         if slot.process is None:
             return fn(*args)
-        if not slot.process.process.is_alive():  # died while idle
-            logger.warning("decode worker %s %s; replacing it", slot.process.name, slot.process.describe_death())
-            self._replace(slot)
-            if slot.abandoned:  # its caller gave up during the replacement (``kill`` does not wait for one)
-                raise _Abandoned("the job's time ran out while its worker was being replaced")
+        # A worker found dead is replaced first; a caller that gave up meanwhile (``kill`` does not wait for a
+        # replacement) does not get its job sent to the new one.
+        if self._replace_if_died_idle(slot) and slot.abandoned:
+            raise _Abandoned("the job's time ran out while its worker was being replaced")
         try:
             return slot.process.call(fn, args)
         except (EOFError, OSError) as exc:
