@@ -141,7 +141,7 @@ class PrimarySettings(ModelRoleSettings):
 #: Per-role defaults of the fields ``ModelRoleSettings`` leaves without one.
 ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
     "primary": {"model": "rampart-primary:latest", "max_batch_size": 16, "nice": 5},
-    "fallback": {"model": "rampart-fallback:latest", "max_batch_size": 32, "nice": 10},
+    "fallback": {"model": "rampart-fallback:latest", "max_batch_size": 32, "nice": 19},
 }
 
 
@@ -358,7 +358,7 @@ class ShadowSettings(_Group):
                         "the candidate after the answer is sent (see [Shadow traffic](overload.md#shadow-traffic))")
     deadline_ms: int = Field(1000, gt=0, description="the candidate's own deadline per mirrored request")
     max_inflight: int = Field(2, ge=1, description="the candidate's calls outstanding at most (more are skipped)")
-    nice: int = Field(15, ge=0, le=19, description="niceness of the candidate's runner")
+    nice: int = Field(19, ge=0, le=19, description="niceness of the candidate's runner")
 
 
 class FaultSettings(_Group):
@@ -501,7 +501,7 @@ class Settings(BaseModel):
     cpu_pinning: Literal["weight", "reserve", "off"] = Field(
         "weight", description="CPU placement on a CPU-only host. `weight`: nothing is pinned; the primary's engine "
         "gets a thread per core and uses the whole CPU when nothing else needs it, and the API layer (niceness 0), "
-        "the primary and the decoders (5), the fallback (10) and the shadow (15) share it by niceness when they do; "
+        "the primary and the decoders (5), the fallback and the shadow (19) share it by niceness when they do; "
         "`reserve`: the primary runner (and the shadow) is pinned to its own cores (as many as its threads) and "
         "every other process to the rest, none with one core or under a cgroup CPU quota below the visible cores; "
         "`off`: the OS places everything and the primary's threads leave a core to the rest. A GPU host pins "

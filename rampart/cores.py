@@ -7,7 +7,7 @@ how (``Settings.cpu_pinning``):
 - ``weight`` (the default): nothing is pinned. The primary's engine gets a thread per
   usable core (``rampart.config.default_cpu_threads``), so it uses the whole CPU when
   nothing else needs it, and every process keeps its niceness (API workers 0, the primary
-  and the decoders 5, the fallback 10, the shadow 15), by which the others take their
+  and the decoders 5, the fallback and the shadow 19), by which the others take their
   share when they need it. Measured on the shared 2-core host against ``reserve``, arms
   alternated, medians of 5 rounds each (docs/benchmarks.md, "CPU placement"): the primary's
   closed-loop capacity 11.1 images/s against 10.4 (16.5-16.6 against 8.3-11.4 in the quieter
@@ -38,6 +38,7 @@ from pathlib import Path
 from rampart.config import Settings, default_cpu_threads
 
 __all__ = ["CorePlan", "available_cores", "core_plan", "cpu_quota_cores", "gpu_device_present", "host_core_plan", "lower_cpu_priority",
+           "autogroup_nice", "set_autogroup_nice",
            "pin_this_process", "place_this_process", "usable_cores"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -139,10 +140,27 @@ def _threads() -> list[int]:
     return [int(tid) for tid in os.listdir("/proc/self/task")] if os.path.isdir("/proc/self/task") else [0]
 
 
-def lower_cpu_priority(nice: int) -> None:
-    """Raise the niceness of every thread of this process to at least ``nice`` (Linux; no-op elsewhere).
+#: Linux's autogroup switch and this process's autogroup (sched(7), "The autogroup feature").
+AUTOGROUP_SWITCH, AUTOGROUP_FILE = Path("/proc/sys/kernel/sched_autogroup_enabled"), Path("/proc/self/autogroup")
 
-    Linux applies niceness per thread, so each task in ``/proc/self/task`` is set.
+
+def lower_cpu_priority(nice: int) -> None:
+    """Raise the niceness of every thread of this process to at least ``nice``, and that of its autogroup when the
+    process leads a session of its own (Linux; no-op elsewhere).
+
+    Linux applies niceness per thread, so each task in ``/proc/self/task`` is set. But with
+    autogroup on (``/proc/sys/kernel/sched_autogroup_enabled``, the default of most
+    distributions' kernels) every session is a scheduling group, and CPU time is shared
+    between groups first, by the group's own niceness: a thread's niceness then weighs
+    only against threads of its own session. BentoML's process manager starts each worker
+    (the API workers, each runner) in a session of its own, so their niceness did nothing
+    between them: at 5× open-loop overload on the 2-core host the fallback (niceness 10)
+    took 0.64-0.72 of a core and the primary (5) 0.70-0.83, with ``SCHED_IDLE`` on the
+    fallback too (docs/benchmarks.md, "Niceness between BentoML's workers"). So a session
+    leader also writes ``nice`` to ``/proc/self/autogroup``; a process in another's session
+    (a decode worker in its API worker's) leaves the group alone, or it would lower the
+    whole session. Autogroup applies only to tasks in the root CPU cgroup: in a container or
+    a Kubernetes pod, thread niceness works as is, and the write changes nothing there.
     """
     if nice <= 0 or not os.path.isdir("/proc/self/task"):
         return
@@ -152,6 +170,31 @@ def lower_cpu_priority(nice: int) -> None:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)
         except OSError:
             pass  # the thread ended meanwhile
+    if os.getsid(0) == os.getpid():
+        set_autogroup_nice(nice)
+
+
+def autogroup_nice() -> int | None:
+    """This process's autogroup niceness (``/proc/self/autogroup``: "/autogroup-<id> nice <n>"), or None where
+    autogroup is off or absent (not Linux, or a kernel without ``CONFIG_SCHED_AUTOGROUP``)."""
+    try:
+        if AUTOGROUP_SWITCH.read_text().strip() != "1":
+            return None
+        return int(AUTOGROUP_FILE.read_text().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def set_autogroup_nice(nice: int) -> None:
+    """Raise this process's autogroup niceness to at least ``nice`` (0..19); nothing where autogroup is off, absent
+    or not writable (a read-only /proc). Lowering it would need CAP_SYS_NICE, so it is never lowered."""
+    current = autogroup_nice()
+    if current is None or current >= nice:
+        return
+    try:
+        AUTOGROUP_FILE.write_text(str(min(nice, 19)))
+    except OSError:
+        pass
 
 
 def pin_this_process(cores: tuple[int, ...]) -> None:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 import re
 
+from pathlib import Path
+
 import httpx
+import psutil
 
 from tests.support import PHOTOS, encode, logged_lines, photo
 from tests.support.metrics import dashboard_metrics, missing_metrics, scrape, total
@@ -127,3 +130,33 @@ def test_stats_shows_the_cores_each_process_runs_on(server):
         assert not set(plan.primary) & set(plan.others)
         decoders = [process for role, process in server_processes(server.pid).values() if role == "decode"]
         assert decoders and all(process.cpu_affinity() == list(plan.others) for process in decoders)
+
+
+
+def test_each_process_runs_at_its_niceness_and_each_runner_lowers_its_own_session(server):
+    """The default server's processes: the API worker at niceness 0, the primary 5, the fallback 19, each thread,
+    and the decode workers 5. Where the kernel's autogroup is on, each runner, a session of its own under
+    BentoML's process manager, has lowered its session's group as well, so that its niceness counts against
+    the other workers; the API worker's session, which its decoders share, stays at 0
+    (``rampart.cores.lower_cpu_priority``)."""
+    from bench.process_cpu import server_processes
+    from rampart.cores import autogroup_nice
+
+    def group(process) -> tuple[str, int]:
+        name, _, nice = Path(f"/proc/{process.pid}/autogroup").read_text().split()
+        return name, int(nice)
+
+    processes = [(role, process) for role, process in server_processes(server.pid).values()]
+    expected = {"api": 0, "primary": 5, "fallback": 19}
+    for role, process in processes:
+        if role in expected:
+            assert {thread.id: psutil.Process(thread.id).nice() for thread in process.threads()} == dict.fromkeys(
+                [thread.id for thread in process.threads()], expected[role]), role
+    decoders = [process for role, process in processes if role == "decode"]
+    assert any(process.nice() == 5 for process in decoders), [process.nice() for process in decoders]
+    if autogroup_nice() is None:
+        return
+    groups = {role: group(process) for role, process in processes if role in expected}
+    assert {role: nice for role, (_, nice) in groups.items()} == expected, groups
+    assert len({name for name, _ in groups.values()}) == 3, groups  # one session each
+    assert {group(process) for process in decoders} == {groups["api"]}, groups

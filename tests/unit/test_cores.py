@@ -9,7 +9,8 @@ import sys
 import pytest
 
 from rampart.config import Settings
-from rampart.cores import CorePlan, available_cores, core_plan, cpu_quota_cores, host_core_plan, usable_cores
+from rampart.cores import (CorePlan, autogroup_nice, available_cores, core_plan, cpu_quota_cores, host_core_plan,
+                           usable_cores)
 
 
 def test_cpu_host_reserves_the_primarys_threads_cores_and_gives_the_rest_to_everyone_else():
@@ -90,3 +91,25 @@ print(plan.cores_of(sys.argv[1]) == cores, tasks == {cores}, tuple(sorted(later[
     for role in ("primary", "api"):
         done = subprocess.run([sys.executable, "-c", code, role], capture_output=True, text=True, timeout=60, env=env)
         assert done.stdout.split() == ["True", "True", "True", "True"], (role, done.stdout, done.stderr[-2000:])
+
+
+@pytest.mark.skipif(autogroup_nice() is None, reason="the kernel's autogroup is off or absent")
+def test_a_session_leader_lowers_its_autogroup_and_a_process_in_anothers_session_does_not():
+    """Linux weighs CPU between autogroups (sessions) first, so a BentoML worker, which leads a session of its own,
+    must lower its group for its niceness to count against the other workers; a decode worker, in its API
+    worker's session, must not lower that whole session."""
+    code = """
+import os, sys
+from rampart.cores import autogroup_nice, lower_cpu_priority
+before = autogroup_nice()
+lower_cpu_priority(7)
+print(os.getsid(0) == os.getpid(), before, autogroup_nice(), os.getpriority(os.PRIO_PROCESS, 0))
+"""
+    leader = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            start_new_session=True)
+    member = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert leader.stdout.split()[0] == "True" and int(leader.stdout.split()[2]) >= 7, leader.stdout + leader.stderr
+    assert int(leader.stdout.split()[3]) >= 7, leader.stdout
+    # not a session leader: its (this test's) session keeps its group niceness
+    assert member.stdout.split()[0] == "False" and member.stdout.split()[1] == member.stdout.split()[2], \
+        member.stdout + member.stderr
