@@ -114,10 +114,13 @@ class ModelRoleSettings(_Group):
     queue_delay_ms: int = Field(200, gt=0, description="acceptable queueing delay: queue depth = throughput × this")
     throughput_ips: float = Field(0.0, ge=0.0, description="fixes the model's throughput (images/s) instead of "
                                   "measuring it; 0: measured")
-    # On a CPU-only host inference then yields the CPU to the API layer, which must keep answering (and shedding)
-    # under overload, and the fallback yields to the primary, whose full answers are worth more.
-    nice: int = Field(ge=0, le=19, description="niceness of the runner process (CPU hosts: the API layer first, "
-                      "then the primary)")
+    # On a CPU-only host the fallback and the shadow yield the CPU to the primary, whose full answers are worth more,
+    # and to the API layer, which must keep answering (and shedding) under overload. The primary shares the API
+    # layer's 0: the API layer sleeps most of the time and gets what it needs on waking, and at 5x overload the
+    # primary answered 16.1-18.4 images/s in the deadline at 0 against 12.3-16.3 at 5, 429s as cheap (median
+    # 2.0-2.2 ms against 1.8-2.2), five rounds alternated (docs/benchmarks.md, "Niceness between BentoML's workers").
+    nice: int = Field(ge=0, le=19, description="niceness of the runner process (CPU hosts: the fallback and the "
+                      "shadow below the primary and the API layer)")
     # OpenMP's wait policy (OMP_WAIT_POLICY, PASSIVE unless set) is set in service.py.
     cpu_threads: int = Field(0, ge=0, description="intra-op CPU threads of the engine (torch for the primary, ONNX "
                              "Runtime for the fallback); 0: a rule from the cores and GPU "
@@ -140,7 +143,7 @@ class PrimarySettings(ModelRoleSettings):
 
 #: Per-role defaults of the fields ``ModelRoleSettings`` leaves without one.
 ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "primary": {"model": "rampart-primary:latest", "max_batch_size": 16, "nice": 5},
+    "primary": {"model": "rampart-primary:latest", "max_batch_size": 16, "nice": 0},
     "fallback": {"model": "rampart-fallback:latest", "max_batch_size": 32, "nice": 19},
 }
 
@@ -500,8 +503,8 @@ class Settings(BaseModel):
     # would reserve the same cores, and under "weight" each primary would take every core.
     cpu_pinning: Literal["weight", "reserve", "off"] = Field(
         "weight", description="CPU placement on a CPU-only host. `weight`: nothing is pinned; the primary's engine "
-        "gets a thread per core and uses the whole CPU when nothing else needs it, and the API layer (niceness 0), "
-        "the primary and the decoders (5), the fallback and the shadow (19) share it by niceness when they do; "
+        "gets a thread per core and uses the whole CPU when nothing else needs it, and the API layer and the primary "
+        "(niceness 0), the decoders (5), the fallback and the shadow (19) share it by niceness when they do; "
         "`reserve`: the primary runner (and the shadow) is pinned to its own cores (as many as its threads) and "
         "every other process to the rest, none with one core or under a cgroup CPU quota below the visible cores; "
         "`off`: the OS places everything and the primary's threads leave a core to the rest. A GPU host pins "

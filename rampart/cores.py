@@ -6,8 +6,8 @@ how (``Settings.cpu_pinning``):
 
 - ``weight`` (the default): nothing is pinned. The primary's engine gets a thread per
   usable core (``rampart.config.default_cpu_threads``), so it uses the whole CPU when
-  nothing else needs it, and every process keeps its niceness (API workers 0, the primary
-  and the decoders 5, the fallback and the shadow 19), by which the others take their
+  nothing else needs it, and every process keeps its niceness (API workers and the primary 0,
+  the decoders 5, the fallback and the shadow 19), by which the others take their
   share when they need it. Measured on the shared 2-core host against ``reserve``, arms
   alternated, medians of 5 rounds each (docs/benchmarks.md, "CPU placement"): the primary's
   closed-loop capacity 11.1 images/s against 10.4 (16.5-16.6 against 8.3-11.4 in the quieter
@@ -154,8 +154,8 @@ def lower_cpu_priority(nice: int) -> None:
     between groups first, by the group's own niceness: a thread's niceness then weighs
     only against threads of its own session. BentoML's process manager starts each worker
     (the API workers, each runner) in a session of its own, so their niceness did nothing
-    between them: at 5× open-loop overload on the 2-core host the fallback (niceness 10)
-    took 0.64-0.72 of a core and the primary (5) 0.70-0.83, with ``SCHED_IDLE`` on the
+    between them: at 5× open-loop overload on the 2-core host the fallback (niceness 10 then)
+    took 0.63-0.72 of a core and the primary (5 then) 0.67-0.83, with ``SCHED_IDLE`` on the
     fallback too (docs/benchmarks.md, "Niceness between BentoML's workers"). So a session
     leader also writes ``nice`` to ``/proc/self/autogroup``; a process in another's session
     (a decode worker in its API worker's) leaves the group alone, or it would lower the

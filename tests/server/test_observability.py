@@ -134,10 +134,10 @@ def test_stats_shows_the_cores_each_process_runs_on(server):
 
 
 def test_each_process_runs_at_its_niceness_and_each_runner_lowers_its_own_session(server):
-    """The default server's processes: the API worker at niceness 0, the primary 5, the fallback 19, each thread,
-    and the decode workers 5. Where the kernel's autogroup is on, each runner, a session of its own under
-    BentoML's process manager, has lowered its session's group as well, so that its niceness counts against
-    the other workers; the API worker's session, which its decoders share, stays at 0
+    """The default server's processes: the API worker and the primary at niceness 0, the fallback 19, each thread,
+    and the decode workers 5. Where the kernel's autogroup is on, a runner above 0 (the fallback), a session of
+    its own under BentoML's process manager, has lowered its session's group as well, so that its niceness
+    counts against the other workers; the API worker's session, which its decoders share, stays at 0
     (``rampart.cores.lower_cpu_priority``)."""
     from bench.process_cpu import server_processes
     from rampart.cores import autogroup_nice
@@ -147,7 +147,7 @@ def test_each_process_runs_at_its_niceness_and_each_runner_lowers_its_own_sessio
         return name, int(nice)
 
     processes = [(role, process) for role, process in server_processes(server.pid).values()]
-    expected = {"api": 0, "primary": 5, "fallback": 19}
+    expected = {"api": 0, "primary": 0, "fallback": 19}
     for role, process in processes:
         if role in expected:
             assert {thread.id: psutil.Process(thread.id).nice() for thread in process.threads()} == dict.fromkeys(
