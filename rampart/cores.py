@@ -53,7 +53,7 @@ class CorePlan:
 
     def cores_of(self, role: str) -> tuple[int, ...]:
         """The cores of a process of ``role``: the primary's for "primary" and "shadow" (a candidate
-        primary, mirrored only while the models are idle, at niceness 15: it takes what the primary
+        primary, mirrored only while the models are idle, at niceness 19: it takes what the primary
         leaves, never the API layer's core), the others' for anything else ("api", "fallback")."""
         return self.primary if role in ("primary", "shadow") else self.others
 
