@@ -18,7 +18,7 @@ import pytest
 from rampart.api.lifecycle import RUNNER_EXIT_MARGIN_S
 from bench.harness import START_TIMEOUT_S, Replica
 from bench.loadgen import load_bodies, unique
-from tests.support import PHOTOS, SLACK_MS, encode, photo
+from tests.support import PHOTOS, SLACK_MS, encode, photo, server_timing
 
 MAX_DEADLINE_MS = 6000
 #: Raw uploads and 4-image batch uploads in flight when SIGTERM arrives.
@@ -96,8 +96,8 @@ def test_a_fresh_servers_first_answers_one_at_a_time_wait_in_no_batch_queue(fres
         for i in range(12 * len(bodies)):  # each bucket route well past the dispatcher's 11 training calls
             response = client.post("/classify", content=unique(bodies[i % len(bodies)]))
             assert response.status_code == 200 and answered_by_a_model(response.json()), response.text
-            timing = dict(part.strip().split(";dur=") for part in response.headers["server-timing"].split(","))
-            timings.append((float(timing["queue"]), float(timing["inference"])))
+            timing = server_timing(response)
+            timings.append((timing["queue"], timing["inference"]))
     held = [(i, queue, inference) for i, (queue, inference) in enumerate(timings) if queue >= 0.5 * inference]
     assert not held, held
 

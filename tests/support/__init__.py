@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 import time
 from pathlib import Path
 
@@ -53,3 +54,8 @@ def logged_lines(server, marker: str, count: int = 1, timeout_s: float = 10.0) -
         if len(lines) >= count or time.monotonic() > deadline:
             return lines
         time.sleep(0.05)
+
+
+def server_timing(response) -> dict[str, float]:
+    """A response's ``Server-Timing`` header as ``{stage: milliseconds}`` (``name;dur=ms`` entries, comma-separated)."""
+    return {name: float(ms) for name, ms in re.findall(r"(\w+);dur=([\d.]+)", response.headers["Server-Timing"])}
