@@ -38,7 +38,7 @@ from pathlib import Path
 from rampart.config import Settings, default_cpu_threads
 
 __all__ = ["CorePlan", "available_cores", "core_plan", "cpu_quota_cores", "gpu_device_present", "host_core_plan", "lower_cpu_priority",
-           "autogroup_nice", "set_autogroup_nice",
+           "autogroup", "autogroup_nice", "set_autogroup_nice",
            "pin_this_process", "place_this_process", "usable_cores"]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -174,15 +174,23 @@ def lower_cpu_priority(nice: int) -> None:
         set_autogroup_nice(nice)
 
 
-def autogroup_nice() -> int | None:
-    """This process's autogroup niceness (``/proc/self/autogroup``: "/autogroup-<id> nice <n>"), or None where
-    autogroup is off or absent (not Linux, or a kernel without ``CONFIG_SCHED_AUTOGROUP``)."""
+def autogroup(pid: int | str = "self") -> tuple[str, int] | None:
+    """(name, niceness) of process ``pid``'s autogroup (``/proc/<pid>/autogroup``: "/autogroup-<id> nice <n>"),
+    or None where autogroup is off or absent (not Linux, or a kernel without ``CONFIG_SCHED_AUTOGROUP``) or the
+    process is gone. Processes of one session share the name."""
     try:
         if AUTOGROUP_SWITCH.read_text().strip() != "1":
             return None
-        return int(AUTOGROUP_FILE.read_text().split()[-1])
-    except (OSError, ValueError, IndexError):
+        name, _, nice = Path(f"/proc/{pid}/autogroup").read_text().split()
+        return name, int(nice)
+    except (OSError, ValueError):
         return None
+
+
+def autogroup_nice() -> int | None:
+    """This process's autogroup niceness (``autogroup``), or None where autogroup is off or absent."""
+    group = autogroup()
+    return None if group is None else group[1]
 
 
 def set_autogroup_nice(nice: int) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import re
 
-from pathlib import Path
-
 import httpx
 import psutil
 
@@ -140,23 +138,18 @@ def test_each_process_runs_at_its_niceness_and_each_runner_lowers_its_own_sessio
     counts against the other workers; the API worker's session, which its decoders share, stays at 0
     (``rampart.cores.lower_cpu_priority``)."""
     from bench.process_cpu import server_processes
-    from rampart.cores import autogroup_nice
-
-    def group(process) -> tuple[str, int]:
-        name, _, nice = Path(f"/proc/{process.pid}/autogroup").read_text().split()
-        return name, int(nice)
+    from rampart.cores import autogroup
 
     processes = [(role, process) for role, process in server_processes(server.pid).values()]
     expected = {"api": 0, "primary": 0, "fallback": 19}
     for role, process in processes:
         if role in expected:
-            assert {thread.id: psutil.Process(thread.id).nice() for thread in process.threads()} == dict.fromkeys(
-                [thread.id for thread in process.threads()], expected[role]), role
+            assert {psutil.Process(thread.id).nice() for thread in process.threads()} == {expected[role]}, role
     decoders = [process for role, process in processes if role == "decode"]
     assert any(process.nice() == 5 for process in decoders), [process.nice() for process in decoders]
-    if autogroup_nice() is None:
+    if autogroup() is None:
         return
-    groups = {role: group(process) for role, process in processes if role in expected}
+    groups = {role: autogroup(process.pid) for role, process in processes if role in expected}
     assert {role: nice for role, (_, nice) in groups.items()} == expected, groups
     assert len({name for name, _ in groups.values()}) == 3, groups  # one session each
-    assert {group(process) for process in decoders} == {groups["api"]}, groups
+    assert {autogroup(process.pid) for process in decoders} == {groups["api"]}, groups
