@@ -184,17 +184,19 @@ def choose_engine(mode: str, available: tuple[str, ...], gpu: bool,
 
 def measure_in_child(model_path: str, metadata: dict, engines: tuple[str, ...], threads: int,
                      shape: tuple[int, int, int], sizes: list[int], memory_fraction: float = 0.9,
-                     runs: int = CHILD_TIMED_RUNS, timeout_s: float = MEASURE_TIMEOUT_S) -> dict[str, dict[int, float]]:
+                     runs: int = CHILD_TIMED_RUNS, timeout_s: float = MEASURE_TIMEOUT_S,
+                     torch_graph: str = "eager") -> dict[str, dict[int, float]]:
     """``time_engines`` of ``engines`` on the stored model at ``model_path``, in one child process.
 
     The child (``python -m inference.engine_choice``) inherits this process's CPU
     affinity, niceness and environment, loads each engine with ``threads`` intra-op
-    threads (``inference.stored.load_engine``), times them in turns at ``sizes`` on
+    threads and torch's ``torch_graph`` (``inference.stored.load_engine``), times them in turns at ``sizes`` on
     ``shape`` (best of ``runs``) and exits, taking their memory and libraries with it.
     Raises ``RuntimeError`` when it fails or runs past ``timeout_s``.
     """
     request = {"model_path": model_path, "metadata": metadata, "engines": list(engines), "threads": threads,
-               "shape": list(shape), "sizes": sizes, "memory_fraction": memory_fraction, "runs": runs}
+               "shape": list(shape), "sizes": sizes, "memory_fraction": memory_fraction, "runs": runs,
+               "torch_graph": torch_graph}
     import os
     from pathlib import Path
 
@@ -231,7 +233,8 @@ def _child_main() -> int:
 
     request = json.loads(sys.stdin.read())
     model = _StoredFiles(request["model_path"], request["metadata"])
-    predicts = {name: load_engine(model, request["memory_fraction"], request["threads"], engine=name).predict
+    predicts = {name: load_engine(model, request["memory_fraction"], request["threads"], engine=name,
+                                  torch_graph=request["torch_graph"]).predict
                 for name in request["engines"]}
     timings = time_engines(predicts, tuple(request["shape"]), [int(s) for s in request["sizes"]], request["runs"])
     print(json.dumps(timings))

