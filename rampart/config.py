@@ -296,7 +296,7 @@ class RunnerSettings(_Group):
                                                     "CPU: `traced`, a frozen TorchScript graph per input shape, "
                                                     "checked against the module at warm-up (a shape that fails runs "
                                                     "eagerly, with a warning); `eager`, op by op from Python. On a "
-                                                    "GPU always eager ([engines.md](engines.md#the-traced-graph))")
+                                                    "GPU always eager ([engines.md](engines.md#the-traced-graph-pytorch-on-a-cpu))")
     timing_cache_dir: str = Field("", description="where a runner keeps its batch-size timings, so a restart on "
                                   "the same host with the same model, engine, threads and CPU skips measuring them "
                                   "(its warm-up still runs); empty: `$BENTOML_HOME/rampart-timings`; `off`: measure "
