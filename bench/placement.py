@@ -1,8 +1,10 @@
-"""CPU placement, same run: ``RAMPART_CPU_PINNING=weight`` (the default) against ``reserve``, with the real models.
+"""The primary's capacity and its share at 5x overload, same run, one arm per value of a setting, with the real models.
 
-``python -m bench.placement [--out bench_results] [--quick]`` starts one fresh server per arm
-and round (``ROUNDS``), arms alternated (weight, reserve, then reserve, weight, ...) so that drift of a
-shared host falls on both, and measures each:
+``python -m bench.placement [--setting RAMPART_CPU_PINNING] [--arms weight,reserve] [--rounds 3]
+[--out bench_results] [--quick]`` starts one fresh server per arm and round, the setting's variable
+set to the arm's value (by default CPU placement: ``RAMPART_CPU_PINNING=weight``, the default, against
+``reserve``; also ``--setting RAMPART_RUNNER_TORCH_GRAPH --arms traced,eager``), arms alternated
+(A, B, then B, A, ...) so that drift of a shared host falls on both, and measures each:
 
 1. the primary's closed-loop capacity C_p: answers from the primary within the 1 s deadline per
    second, the better of 4 and 8 clients (``KNEE_CLIENTS``, ``KNEE_S`` each; the primary-path knee
@@ -11,8 +13,10 @@ shared host falls on both, and measures each:
    whole server's answers within the deadline per second, as such and as shares of C_p, late
    answers, 5xx, 429s;
 
-with the CPU each process role spent in each phase (``bench.process_cpu``). It writes
-``placement.json`` and ``placement.png``. docs/benchmarks.md ("CPU placement") reports it.
+with the CPU each process role spent in each phase (``bench.process_cpu``) and the resident memory of each
+role's processes after the overload (MiB, summed RSS). It writes ``placement.json`` and ``placement.png``
+(``placement-<setting>.json`` and ``.png`` for another setting). docs/benchmarks.md ("CPU placement") and
+docs/engines.md ("The traced graph") report it.
 Run it under ``flock /tmp/rampart-load.lock`` on a shared machine: every figure is timing.
 """
 
@@ -20,12 +24,14 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 from pathlib import Path
 
-from bench.harness import SLO_MS, Replica, ServerCpu, machine, run_scenario
+from bench.harness import SLO_MS, Replica, ServerCpu, exit_on_sigterm, machine, scenario_parser
 from bench.loadgen import Sample, closed_loop, load_bodies, open_loop, run_sync, summarize
+from bench.process_cpu import server_processes
 
-ARMS = ("weight", "reserve")
+SETTING, ARMS = "RAMPART_CPU_PINNING", ("weight", "reserve")
 ROUNDS = 3
 KNEE_CLIENTS = (4, 8)
 KNEE_S = 8.0
@@ -57,9 +63,10 @@ def arm_figures(knee: dict[int, list[Sample]], knee_s: float, overload: list[Sam
                             "shed_429": summary["shed_429"]}}
 
 
-def measure_arm(arm: str, round_index: int, out: Path, bodies: list[bytes], knee_s: float, overload_s: float) -> dict:
-    """One fresh server with ``RAMPART_CPU_PINNING=arm``: warm-up, the knee steps, then 5 × its C_p."""
-    server = Replica(f"placement-{arm}-{round_index}", out, {"RAMPART_CPU_PINNING": arm})
+def measure_arm(arm: str, round_index: int, out: Path, bodies: list[bytes], knee_s: float, overload_s: float,
+                setting: str = SETTING) -> dict:
+    """One fresh server with ``setting=arm``: warm-up, the knee steps, then 5 × its C_p."""
+    server = Replica(f"placement-{setting.lower()}-{arm}-{round_index}", out, {setting: arm})
     try:
         server.wait_ready()
         url = f"{server.url}/classify"
@@ -76,12 +83,16 @@ def measure_arm(arm: str, round_index: int, out: Path, bodies: list[bytes], knee
         overload = run_sync(open_loop(url, bodies, OVERLOAD_FACTOR * max(c_p, 0.5), overload_s,
                                       deadline_ms=SLO_MS, seed=round_index))
         cpu["overload_5x"] = {role: round(v["cpu_s"], 2) for role, v in meter.stop().items()}
-        return {"arm": arm, "round": round_index, **arm_figures(knee, knee_s, overload, overload_s), "cpu_s": cpu}
+        rss_mib: dict[str, int] = {}
+        for role, process in server_processes(server.process.pid).values():
+            rss_mib[role] = rss_mib.get(role, 0) + round(process.memory_info().rss / 2**20)
+        return {"arm": arm, "round": round_index, **arm_figures(knee, knee_s, overload, overload_s), "cpu_s": cpu,
+                "rss_mib_after_5x": rss_mib}
     finally:
         server.stop()
 
 
-def plot(rows: list[dict], path: Path) -> None:
+def plot(rows: list[dict], path: Path, setting: str = SETTING) -> None:
     """Bars per arm and round: C_p, and the primary's and the total's in-time answers per second at 5x."""
     import matplotlib
 
@@ -98,37 +109,49 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.bar([i + k * width for i in range(len(rows))], values, width, label=name)
     ax.set_xticks([i + width for i in range(len(rows))], labels)
     ax.set_ylabel("answers within 1 s per second")
-    ax.set_title("CPU placement: weight vs reserve (same run)")
+    ax.set_title(f"{setting}: {' vs '.join(dict.fromkeys(r['arm'] for r in rows))} (same run)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
 
 
-def run(out: Path, quick: bool, command: str) -> int:
+def run(out: Path, quick: bool, command: str, setting: str = SETTING, arms: tuple[str, ...] = ARMS,
+        rounds: int = ROUNDS) -> int:
+    """``rounds`` rounds of every arm of ``setting``, alternated; writes the JSON and the PNG under ``out``."""
     bodies = load_bodies()
     knee_s, overload_s = (1.0, 2.0) if quick else (KNEE_S, OVERLOAD_S)
     rows = []
-    for r in range(1 if quick else ROUNDS):
-        for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
-            rows.append(measure_arm(arm, r, out, bodies, knee_s, overload_s))
+    for r in range(1 if quick else rounds):
+        for arm in (arms if r % 2 == 0 else arms[::-1]):
+            rows.append(measure_arm(arm, r, out, bodies, knee_s, overload_s, setting))
             print(json.dumps(rows[-1]), flush=True)
     medians = {}
-    for arm in ARMS:
+    for arm in arms:
         mine = [r for r in rows if r["arm"] == arm]
         medians[arm] = {key: statistics.median(values) for key, values in (
             ("c_p", [r["c_p"] for r in mine]),
             ("primary_rps_at_5x", [r["overload_5x"]["primary_rps"] for r in mine]),
             ("total_rps_at_5x", [r["overload_5x"]["total_rps"] for r in mine]))}
-    (out / "placement.json").write_text(json.dumps({"command": command, "machine": machine(), "rows": rows,
-                                                    "medians": medians}, indent=1))
-    plot(rows, out / "placement.png")
+    name = "placement" if setting == SETTING else f"placement-{setting.lower()}"
+    (out / f"{name}.json").write_text(json.dumps({"command": command, "setting": setting, "machine": machine(),
+                                                  "rows": rows, "medians": medians}, indent=1))
+    plot(rows, out / f"{name}.png", setting)
     print(json.dumps(medians))
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_scenario("python -m bench.placement", __doc__.split("\n\n")[0], run, argv)
+    parser = scenario_parser("python -m bench.placement", __doc__.split("\n\n")[0])
+    parser.add_argument("--setting", default=SETTING, help=f"the variable the arms set (default {SETTING})")
+    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated values, one arm each "
+                        f"(default {','.join(ARMS)})")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds of every arm (default {ROUNDS})")
+    args = parser.parse_args(argv)
+    exit_on_sigterm()
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = " ".join(["python -m bench.placement", *(argv if argv is not None else sys.argv[1:])])
+    return run(args.out, args.quick, command, args.setting, tuple(args.arms.split(",")), args.rounds)
 
 
 if __name__ == "__main__":
