@@ -108,12 +108,20 @@ class TorchClassifier:
     the eager module's, with the same top-1. A shape no graph passes, or a module that cannot
     be traced, runs eagerly, with one warning naming the reason.
     ``graphs()`` says which shapes run traced.
+
+    Stored graphs: ``stored_graphs`` maps input shapes (H, W) to graphs the model's import traced, checked and saved
+    (``models.import_models.export_graphs``, loaded by ``inference.stored.load_engine``); under "traced" on a CPU
+    those shapes run them without any check here. ``module`` may then be a callable with no arguments that builds
+    the module: it is called only when a shape without a stored graph needs the module (to trace or to run), on
+    CUDA, or under "eager". So a runner whose every bucket has a stored graph never builds the module nor imports
+    the library of its architecture (timm imports torchvision: about 195 MiB of resident memory on this project's
+    2-core host, 2026-12-07, docs/engines.md, "Memory per process").
     """
 
     name = "torch"
 
     def __init__(self, module, mean: float, std: float, device: str | None = None, memory_fraction: float = 0.9,
-                 threads: int = 0, graph: str = "eager") -> None:
+                 threads: int = 0, graph: str = "eager", stored_graphs: dict | None = None) -> None:
         if graph not in TORCH_GRAPHS:
             raise ValueError(f"graph {graph!r} is not one of {TORCH_GRAPHS}")
         import torch
@@ -125,9 +133,8 @@ class TorchClassifier:
         self.on_cuda = self.device.type == "cuda"
         if self.on_cuda:
             torch.cuda.set_per_process_memory_fraction(memory_fraction, self.device)
-        self.module = module.eval().to(self.device, memory_format=torch.channels_last)
-        if self.on_cuda:
-            torch.cuda.synchronize(self.device)  # weights in place before any thread's own stream reads them
+        self._build_module = module if callable(module) and not isinstance(module, torch.nn.Module) else None
+        self._module = None if self._build_module else self._placed(module)
         self.mean, self.std = float(mean), float(std)
         self.oom_splits = 0
         self._staging = HostStaging(pin=self.on_cuda)
@@ -136,13 +143,51 @@ class TorchClassifier:
         self._graphs: dict[tuple[int, int], object] = {}  # (H, W) -> frozen graph, or None: that shape runs eagerly
         self._graph_notes: dict[tuple[int, int], str] = {}
         self._graph_lock = threading.Lock()
+        self._module_lock = threading.Lock()
+        self._stored: set[tuple[int, int]] = set()
+        if self.graph == "traced":
+            for (height, width), stored in (stored_graphs or {}).items():
+                self._graphs[int(height), int(width)] = stored
+                self._stored.add((int(height), int(width)))
+        if self._build_module is not None and self.graph == "eager":
+            _ = self.module
+
+    def _placed(self, module):
+        """``module`` in eval mode on this engine's device, channels_last."""
+        torch = self._torch
+        module = module.eval().to(self.device, memory_format=torch.channels_last)
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)  # weights in place before any thread's own stream reads them
+        return module
+
+    @property
+    def module(self):
+        """The ``torch.nn.Module`` on this engine's device (built on first use when ``module`` was a builder)."""
+        if self._module is None:
+            with self._module_lock:
+                if self._module is None:
+                    self._module = self._placed(self._build_module())
+        return self._module
+
+    @property
+    def module_built(self) -> bool:
+        """Whether this engine holds the module (False while stored graphs have served every shape)."""
+        return self._module is not None
 
     def graphs(self) -> dict:
-        """``mode`` (``graph``: "traced" or "eager") and ``shapes``: each input "HxW" seen so far with "traced" or
-        "eager: <why>" (a failed check or trace); empty under "eager"."""
-        return {"mode": self.graph,
-                "shapes": {f"{h}x{w}": ("traced" if self._graphs[h, w] is not None else f"eager: {self._graph_notes[h, w]}")
-                           for h, w in self._graphs}}
+        """``mode`` (``graph``: "traced" or "eager") and ``shapes``: each input "HxW" known so far with "stored" (the
+        import's checked graph), "traced" (traced and checked in this process) or "eager: <why>" (a failed check or
+        trace); empty under "eager"."""
+        def state(key):
+            if self._graphs[key] is None:
+                return f"eager: {self._graph_notes[key]}"
+            return "stored" if key in self._stored else "traced"
+
+        return {"mode": self.graph, "shapes": {f"{h}x{w}": state((h, w)) for h, w in self._graphs}}
+
+    def traced_graphs(self) -> dict[tuple[int, int], object]:
+        """Each input shape (H, W) with the graph that serves it, for the shapes that run a graph (``graphs()``)."""
+        return {key: graph for key, graph in self._graphs.items() if graph is not None}
 
     def _module_for(self, x):
         """What computes the normalised NCHW float batch ``x``: its shape's checked graph under "traced", else the

@@ -7,7 +7,50 @@ import: the model is anything with ``info.metadata`` and ``path_of(name)``.
 
 from __future__ import annotations
 
-__all__ = ["load_engine"]
+import logging
+import warnings
+
+__all__ = ["load_engine", "stored_graphs", "shape_key", "parse_shape_key"]
+
+logger = logging.getLogger("rampart.engines")
+
+
+def shape_key(height: int, width: int) -> str:
+    """An input shape as the model metadata names it: "HxW" (px)."""
+    return f"{height}x{width}"
+
+
+def parse_shape_key(key: str) -> tuple[int, int]:
+    """(H, W) from ``shape_key``'s "HxW"; ``ValueError`` for anything else."""
+    height, width = key.split("x")
+    return int(height), int(width)
+
+
+def stored_graphs(model) -> dict[tuple[int, int], object]:
+    """The checked TorchScript graphs a PyTorch model's import saved (metadata ``torch_graph_files``: "HxW" -> file,
+    written by ``models.import_models.export_graphs``), loaded once per file, by input shape (H, W).
+
+    Empty when the import saved none, or when they were made by another torch version than this process's
+    (metadata ``torch_graph_torch_version``): the engine then traces and checks in this process, as it does for
+    any shape without a stored graph (``inference.engines.TorchClassifier``). Loading needs torch only.
+    """
+    import torch
+
+    meta = model.info.metadata
+    files = meta.get("torch_graph_files") or {}
+    if not files:
+        return {}
+    made_by = meta.get("torch_graph_torch_version")
+    if made_by != str(torch.__version__):
+        logger.info("torch engine: %s's stored graphs were made by torch %s, this is %s: tracing here instead",
+                    model.tag, made_by, torch.__version__)
+        return {}
+    loaded: dict[str, object] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.load is deprecated in favour of torch.export (torch 2.14)
+        for name in sorted(set(files.values())):
+            loaded[name] = torch.jit.load(model.path_of(name), map_location="cpu")
+    return {parse_shape_key(key): loaded[name] for key, name in files.items()}
 
 
 def load_engine(model, memory_fraction: float, threads: int = 0, engine: str | None = None, torch_graph: str = "eager"):
@@ -19,7 +62,9 @@ def load_engine(model, memory_fraction: float, threads: int = 0, engine: str | N
     built by ``inference.architectures`` with ``weights.pt`` loaded, in
     ``inference.engines.TorchClassifier`` capped at ``memory_fraction`` of the GPU's memory.
     ``threads`` > 0 sets the engine's intra-op CPU threads (0: the library's default); ``torch_graph`` is
-    how torch runs the module on a CPU (``inference.engines.TORCH_GRAPHS``: "traced" or "eager").
+    how torch runs the module on a CPU (``inference.engines.TORCH_GRAPHS``: "traced" or "eager"). Under "traced"
+    the engine gets the import's checked graphs (``stored_graphs``) and builds the module only if a shape lacks
+    one (so timm and torchvision are imported only then).
     Both take uint8 N×H×W×3 and return float32 N×C. Only the chosen engine's library is
     imported (no torch for an ONNX engine). Raises ``ValueError`` for another framework or
     an engine the model cannot run on (``inference.engine_choice.available_engines``).
@@ -35,13 +80,18 @@ def load_engine(model, memory_fraction: float, threads: int = 0, engine: str | N
         filename = "model.onnx" if framework == "onnx" else meta["onnx_file"]
         return OnnxClassifier(model.path_of(filename), meta["mean"], meta["std"], threads)
     if engine == "torch" and framework == "pytorch":
-        import torch
-
-        from inference.architectures import create_architecture
         from inference.engines import TorchClassifier
 
-        module = create_architecture(meta["family"], meta["arch"], num_classes=len(meta["labels"]))
-        module.load_state_dict(torch.load(model.path_of("weights.pt"), map_location="cpu", weights_only=True))
-        return TorchClassifier(module, meta["mean"], meta["std"], memory_fraction=memory_fraction, threads=threads,
-                               graph=torch_graph)
+        def build_module():
+            import torch
+
+            from inference.architectures import create_architecture
+
+            module = create_architecture(meta["family"], meta["arch"], num_classes=len(meta["labels"]))
+            module.load_state_dict(torch.load(model.path_of("weights.pt"), map_location="cpu", weights_only=True))
+            return module
+
+        return TorchClassifier(build_module, meta["mean"], meta["std"], memory_fraction=memory_fraction,
+                               threads=threads, graph=torch_graph,
+                               stored_graphs=stored_graphs(model) if torch_graph == "traced" else None)
     raise ValueError(f"model {model.tag}: a {framework} model without an ONNX export cannot run on {engine!r}")

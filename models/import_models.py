@@ -36,8 +36,13 @@ with PyTorch on the sample photos (``chelsea``, ``coffee`` and ``china.jpg`` in 
 bucket): probabilities within ``EXPORT_MAX_ABS_DIFF`` (1e-4) and the same top-1; the
 import exits non-zero otherwise, naming the photo and the gap. A model that cannot be
 exported at all (an operator without an ONNX equivalent) is stored without one
-(``onnx_export_error`` says why) and served with PyTorch. A primary already in the store
-from an import without the export (same weights) is imported again, with it.
+(``onnx_export_error`` says why) and served with PyTorch.
+
+A PyTorch model (primary or shadow) is also stored as checked TorchScript graphs, one per
+bucket shape (``graph-0.pt``…, metadata ``torch_graph_files``; ``export_graphs``), which a
+runner on a CPU serves without building the module, so it never imports timm or torchvision.
+A primary already in the store from an import without the export or the graphs (same weights)
+is imported again, with them.
 """
 
 from __future__ import annotations
@@ -224,7 +229,7 @@ def import_primary(family: str, arch: str, weights: Path, resolution: int, in_or
     from inference.engines import TorchClassifier
 
     digest = sha256_of(weights)
-    if not force and already_imported(PRIMARY_NAME, digest, required=("onnx_file",)):
+    if not force and already_imported(PRIMARY_NAME, digest, required=("onnx_file", "torch_graph_files")):
         logger.info("%s: weights %s… already in the store, skipping", PRIMARY_NAME, digest[:12])
         return
     module = load_torch(family, arch, weights, in_order)
@@ -239,6 +244,9 @@ def import_primary(family: str, arch: str, weights: Path, resolution: int, in_or
         export = export_primary(module, resolution, Path(tmp) / PRIMARY_ONNX_FILE)
         if export["onnx_file"]:
             files[PRIMARY_ONNX_FILE] = Path(tmp) / PRIMARY_ONNX_FILE
+        graph_files, graph_meta = export_graphs(PRIMARY_NAME, module, resolution, Path(tmp))
+        files |= graph_files
+        export |= graph_meta
         tag = save_model(
             PRIMARY_NAME, files,
             {"framework": "pytorch", "family": family, "arch": arch, "resolution": resolution,
@@ -277,24 +285,83 @@ def check_export(name: str, torch_predict, onnx_predict, resolution: int,
 
     ``torch_predict`` and ``onnx_predict`` take uint8 N×H×W×3 and return float32 N×C
     probabilities. The photos: ``chelsea`` and ``coffee`` in the square bucket and
-    ``china.jpg`` in every bucket of ``resolution``. Raises ``SystemExit`` naming the photo
-    when the probabilities differ by more than ``max_abs_diff`` anywhere or the top-1 differs.
+    ``china.jpg`` in every bucket of ``resolution`` (``compare_on_sample_photos``). Raises ``SystemExit`` naming the
+    photo when the probabilities differ by more than ``max_abs_diff`` anywhere or the top-1 differs.
+    """
+    worst, disagreement = compare_on_sample_photos(torch_predict, onnx_predict, resolution, max_abs_diff)
+    if disagreement:
+        raise SystemExit(f"{name}: the ONNX export disagrees with PyTorch on {disagreement}; nothing was imported")
+    logger.info("%s: ONNX export matches PyTorch within %.1e on the sample photos, same top-1", name, worst)
+    return worst
+
+
+def compare_on_sample_photos(reference_predict, candidate_predict, resolution: int,
+                             max_abs_diff: float = EXPORT_MAX_ABS_DIFF) -> tuple[float, str]:
+    """(largest |p_reference - p_candidate| seen, "" or the first photo where they disagree, with the gap).
+
+    Both predicts take uint8 N×H×W×3 and return float32 N×C probabilities. The photos: ``chelsea`` and ``coffee``
+    in the square bucket and ``china.jpg`` in every bucket of ``resolution``, one at a time. They disagree where a
+    probability differs by more than ``max_abs_diff`` or the top-1 differs.
     """
     batch, expected = sample_batch(resolution)
     photos = [(f"{photo} ({BUCKET_NAMES[0]})", batch[i:i + 1]) for i, photo in enumerate(expected)]
     photos += [(f"china.jpg ({bucket.name})", china_photo(bucket)) for bucket in buckets_for_resolution(resolution).values()]
     worst = 0.0
     for photo, pixels in photos:
-        reference, exported = torch_predict(pixels), onnx_predict(pixels)
-        gap = float(np.abs(reference - exported).max())
-        top_torch, top_onnx = int(reference[0].argmax()), int(exported[0].argmax())
-        if gap > max_abs_diff or top_torch != top_onnx:
-            raise SystemExit(
-                f"{name}: the ONNX export disagrees with PyTorch on {photo}: max |p_torch - p_onnx| = {gap:.2e} "
-                f"(limit {max_abs_diff:.0e}), top-1 {top_onnx} against {top_torch}; nothing was imported")
+        reference, candidate = reference_predict(pixels), candidate_predict(pixels)
+        gap = float(np.abs(reference - candidate).max())
+        top_reference, top_candidate = int(reference[0].argmax()), int(candidate[0].argmax())
+        if gap > max_abs_diff or top_reference != top_candidate:
+            return max(worst, gap), (f"{photo}: max |p| gap {gap:.2e} (limit {max_abs_diff:.0e}), top-1 "
+                                     f"{top_candidate} against {top_reference}")
         worst = max(worst, gap)
-    logger.info("%s: ONNX export matches PyTorch within %.1e on %d sample photos, same top-1", name, worst, len(photos))
-    return worst
+    return worst, ""
+
+
+def export_graphs(name: str, module, resolution: int, directory: Path) -> tuple[dict[str, Path], dict]:
+    """Trace ``module`` into checked TorchScript graphs for every bucket of ``resolution`` and save them in
+    ``directory``, so that a runner serves them without building the module (``inference.stored.stored_graphs``).
+
+    Each bucket's shape gets its graph as a runner would make it (``inference.engines.TorchClassifier`` under
+    "traced": the noise check per shape, one graph for every shape it passes); then the graphs must agree with the
+    module on the sample photos (``compare_on_sample_photos``, ``EXPORT_MAX_ABS_DIFF``). A shape that fails keeps no
+    graph (a runner traces it again, and runs it eagerly if that fails too); a model that cannot be traced is
+    stored without graphs. Never raises for a model that cannot be traced. Returns the files to store (file name ->
+    path) and the metadata: ``torch_graph_files`` ("HxW" -> file name), ``torch_graph_torch_version``,
+    ``torch_graph_notes`` ("HxW" -> why that shape has no graph) and ``torch_graph_max_abs_diff`` (-1.0 without
+    graphs).
+    """
+    import torch
+
+    from inference.engines import TorchClassifier
+    from inference.stored import shape_key
+
+    traced = TorchClassifier(module, LITE_MEAN, LITE_STD, device="cpu", graph="traced")
+    eager = TorchClassifier(module, LITE_MEAN, LITE_STD, device="cpu", graph="eager")
+    for bucket in buckets_for_resolution(resolution).values():
+        traced.predict(np.zeros((1, *bucket.shape), dtype=np.uint8))
+    notes = {key: state.removeprefix("eager: ") for key, state in traced.graphs()["shapes"].items() if state != "traced"}
+    gap, disagreement = compare_on_sample_photos(eager.predict, traced.predict, resolution)
+    graphs = {} if disagreement else traced.traced_graphs()
+    if disagreement:
+        notes = {shape_key(*key): f"the graph disagrees with the module on {disagreement}"
+                 for key in traced.traced_graphs()} | notes
+    files, names, by_graph = {}, {}, {}
+    for key, graph in graphs.items():
+        if id(graph) not in by_graph:
+            by_graph[id(graph)] = f"graph-{len(by_graph)}.pt"
+            files[by_graph[id(graph)]] = directory / by_graph[id(graph)]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch.jit.save is deprecated in favour of torch.export (torch 2.14)
+                torch.jit.save(graph, str(files[by_graph[id(graph)]]))
+        names[shape_key(*key)] = by_graph[id(graph)]
+    for key, why in notes.items():
+        logger.warning("%s: inputs of %s have no stored graph (%s); a runner traces them itself", name, key, why)
+    if names:
+        logger.info("%s: %d TorchScript graph(s) for %s, within %.1e of the module on the sample photos", name,
+                    len(files), ", ".join(sorted(names)), gap)
+    return files, {"torch_graph_files": names, "torch_graph_torch_version": str(torch.__version__),
+                   "torch_graph_notes": notes, "torch_graph_max_abs_diff": gap if names else -1.0}
 
 
 def import_shadow(name: str, resolution: int, check: bool, force: bool, onnx_path: Path | None = None,
@@ -324,8 +391,10 @@ def import_shadow(name: str, resolution: int, check: bool, force: bool, onnx_pat
         with tempfile.TemporaryDirectory() as tmp:
             state_path = Path(tmp) / "weights.pt"
             torch.save(module.state_dict(), state_path)
-            tag = save_model(name, {"weights.pt": state_path},
-                             {"framework": "pytorch", "family": family, "arch": arch, **common}, imagenet_labels())
+            graph_files, graph_meta = export_graphs(name, module, resolution, Path(tmp))
+            tag = save_model(name, {"weights.pt": state_path, **graph_files},
+                             {"framework": "pytorch", "family": family, "arch": arch, **common, **graph_meta},
+                             imagenet_labels())
     logger.info("imported %s", tag)
 
 

@@ -32,10 +32,16 @@ def test_onnx_fallback_and_primary_export_have_dynamic_batch_and_readable_ir():
         assert dims[0].dim_param and not dims[0].dim_value
 
 
-def test_primary_carries_its_checked_onnx_export():
-    meta = bentoml.models.get("rampart-primary:latest").info.metadata
+def test_primary_carries_its_checked_onnx_export_and_graphs():
+    import torch
+
+    model = bentoml.models.get("rampart-primary:latest")
+    meta = model.info.metadata
     assert meta["onnx_file"] == "model.onnx" and meta["onnx_export_error"] == ""
     assert 0.0 <= meta["onnx_max_abs_diff"] <= 1e-4
+    assert meta["torch_graph_files"] == {"260x260": "graph-0.pt", "260x346": "graph-0.pt", "346x260": "graph-0.pt"}
+    assert meta["torch_graph_notes"] == {} and meta["torch_graph_torch_version"] == str(torch.__version__)
+    assert 0.0 <= meta["torch_graph_max_abs_diff"] <= 1e-4 and Path(model.path_of("graph-0.pt")).is_file()
 
 
 def _tiny_primary(tmp_path) -> tuple[Path, list[str], dict]:
@@ -95,9 +101,10 @@ def test_a_primary_imported_without_an_export_is_imported_again_with_one(tmp_pat
     out = subprocess.run([sys.executable, "-m", "models.import_models", *args], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "is in the store without onnx_file; importing it again" in out.stderr, out.stderr
+    assert "is in the store without onnx_file, torch_graph_files; importing it again" in out.stderr, out.stderr
     meta = _primary_meta(env)
     assert meta["onnx_file"] == "model.onnx" and meta["onnx_max_abs_diff"] <= 1e-4
+    assert set(meta["torch_graph_files"]) == {"224x224", "224x298", "298x224"}, meta
     again = subprocess.run([sys.executable, "-m", "models.import_models", *args], cwd=ROOT, env=env,
                            capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "rampart-primary: weights" in again.stderr and "skipping" in again.stderr
@@ -175,10 +182,11 @@ def test_the_primary_runs_on_the_engine_it_measured_faster_and_says_why(start_se
     assert fallback["warmed_batch_sizes"] == warm_up_sizes(fallback["compute_batch_size"])
 
 
-def test_the_primary_runs_a_checked_traced_graph_in_every_bucket_and_answers_as_eager_pytorch(http):
-    """The default ``RAMPART_RUNNER_TORCH_GRAPH=traced`` on this CPU-only host: the PyTorch primary's warm-up made a
-    frozen TorchScript graph that passed its check in each bucket, ``/stats`` says so, and its answer on a real photo
-    in each bucket is eager PyTorch's on the same pixels."""
+def test_the_primary_runs_a_checked_traced_graph_in_every_bucket_and_answers_as_eager_pytorch(server, http):
+    """The default ``RAMPART_RUNNER_TORCH_GRAPH=traced`` on this CPU-only host: the PyTorch primary serves each
+    bucket with the frozen TorchScript graph its import checked and stored, ``/stats`` says so, the runner's process
+    never loaded torchvision (which building the module imports, through timm), and its answer on a real photo in
+    each bucket is eager PyTorch's on the same pixels."""
     import io
 
     import numpy as np
@@ -198,8 +206,14 @@ def test_the_primary_runs_a_checked_traced_graph_in_every_bucket_and_answers_as_
         return
     model = bentoml.models.get(f"{stats['primary']['model']['name']}:{stats['primary']['model']['version']}")
     buckets = buckets_for_resolution(model.info.metadata["resolution"])
-    assert primary["torch_graph"] == {"mode": "traced", "shapes": {f"{b.height}x{b.width}": "traced"
+    assert primary["torch_graph"] == {"mode": "traced", "shapes": {f"{b.height}x{b.width}": "stored"
                                                                      for b in buckets.values()}}, primary
+    from bench.process_cpu import server_processes
+
+    (runner,) = [process for role, process in server_processes(server.pid).values() if role == "primary"]
+    mapped = {region.path for region in runner.memory_maps()}
+    assert any(path.endswith("/libtorch_cpu.so") for path in mapped), sorted(mapped)[:20]
+    assert not [path for path in mapped if "/torchvision/" in path], sorted(mapped)
     assert stats["fallback"]["runner"]["torch_graph"] is None  # an ONNX engine
     eager = load_engine(model, 0.9, 1, engine="torch", torch_graph="eager")
     china = load_sample_image("china.jpg")  # 427 x 640: cropped to each bucket's aspect, sent losslessly

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from inference import engines
+from tests.support import ROOT
 from inference.engines import TRACE_MAX_ABS_DIFF, HostStaging, OnnxClassifier, TorchClassifier
 
 RNG = np.random.default_rng(13)
@@ -193,6 +194,92 @@ def test_a_traced_graph_answers_as_the_module_does_on_real_photos_in_every_bucke
     # One graph serves every bucket: the check passes it on each shape (EfficientNet-Lite's padding is the same for
     # these sizes).
     assert len({id(graph) for graph in traced._graphs.values()}) == 1
+
+
+def _stored_model(directory, meta: dict, arch: str):
+    """A stand-in for a ``bentoml.Model`` of a timm PyTorch model whose import wrote ``meta`` and its files in
+    ``directory``."""
+    from types import SimpleNamespace
+
+    meta = {"framework": "pytorch", "family": "timm", "arch": arch, "labels": ["x"] * 1000, "mean": 127.0,
+            "std": 128.0, **meta}
+    return SimpleNamespace(info=SimpleNamespace(metadata=meta), path_of=lambda name: str(directory / name), tag=arch)
+
+
+def test_stored_graphs_serve_every_bucket_without_the_module_and_answer_as_it_does(lite0, tmp_path, caplog):
+    """The import's graphs (``export_graphs``), loaded by ``stored_graphs``: every bucket runs one, the module is never
+    built, the answers on real photos are the module's; a shape the import did not see builds the module and is
+    checked here; graphs of another torch version are not used."""
+    from inference.stored import stored_graphs
+    from models.import_models import china_photo, export_graphs, sample_batch
+    from rampart.inputs.buckets import buckets_for_resolution
+
+    module, resolution = lite0
+    files, meta = export_graphs("lite0", module, resolution, tmp_path)
+    shapes = {f"{b.height}x{b.width}" for b in buckets_for_resolution(resolution).values()}
+    assert meta["torch_graph_files"] == dict.fromkeys(shapes, "graph-0.pt") and list(files) == ["graph-0.pt"]
+    assert meta["torch_graph_notes"] == {} and 0.0 <= meta["torch_graph_max_abs_diff"] <= TRACE_MAX_ABS_DIFF
+    built = []
+    engine = TorchClassifier(lambda: built.append(module) or module, 127.0, 128.0, device="cpu", graph="traced",
+                             stored_graphs=stored_graphs(_stored_model(tmp_path, meta, "lite0")))
+    eager = TorchClassifier(module, 127.0, 128.0, device="cpu", graph="eager")
+    photos, _ = sample_batch(resolution)
+    for batch in [photos] + [china_photo(bucket) for bucket in buckets_for_resolution(resolution).values()]:
+        got, expected = engine.predict(batch), eager.predict(batch)
+        assert np.abs(got - expected).max() <= TRACE_MAX_ABS_DIFF and (got.argmax(1) == expected.argmax(1)).all()
+    assert not built and not engine.module_built
+    assert engine.graphs() == {"mode": "traced", "shapes": dict.fromkeys(sorted(shapes), "stored")}
+    engine.predict(_batch(1, side=64))
+    assert len(built) == 1 and engine.graphs()["shapes"]["64x64"] == "traced"
+    older = _stored_model(tmp_path, {**meta, "torch_graph_torch_version": "2.0.0"}, "lite0")
+    with caplog.at_level(logging.INFO, logger="rampart.engines"):
+        assert stored_graphs(older) == {}
+    assert "made by torch 2.0.0" in caplog.text
+    assert stored_graphs(_stored_model(tmp_path, {}, "lite0")) == {}  # an import before the graphs
+
+
+def test_a_process_serving_stored_graphs_never_imports_timm_or_torchvision(lite0, tmp_path):
+    """The primary runner's engine path on the import's graphs: ``load_engine`` under "traced", every bucket at two
+    batch sizes, without timm or torchvision in the process (building the module would import both)."""
+    from models.import_models import LITE0, export_graphs
+    from rampart.inputs.buckets import buckets_for_resolution
+
+    module, resolution = lite0
+    _, meta = export_graphs("lite0", module, resolution, tmp_path)
+    (tmp_path / "meta.json").write_text(json.dumps(_stored_model(tmp_path, meta, LITE0.arch).info.metadata))
+    shapes = [b.shape for b in buckets_for_resolution(resolution).values()]
+    code = f"""
+import json, sys
+from pathlib import Path
+from types import SimpleNamespace
+import numpy as np
+from inference.stored import load_engine
+directory = Path({str(tmp_path)!r})
+model = SimpleNamespace(info=SimpleNamespace(metadata=json.loads((directory / "meta.json").read_text())),
+                        path_of=lambda name: str(directory / name), tag="lite0")
+engine = load_engine(model, 0.9, 1, engine="torch", torch_graph="traced")
+for shape in {shapes!r}:
+    for size in (1, 2):
+        engine.predict(np.zeros((size, *shape), dtype=np.uint8))
+print(json.dumps([engine.module_built, sorted(set(engine.graphs()["shapes"].values())),
+                  sorted(name for name in sys.modules if name.startswith(("timm", "torchvision")))]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == [False, ["stored"], []]
+
+
+@pytest.mark.parametrize("module, why", [(lambda: _BranchesOnColour(), "the traced graph disagrees with the module"),
+                                         (lambda: _RefusesTracing(), "tracing failed: RuntimeError: no tracing here")])
+def test_the_import_stores_no_graph_for_a_shape_that_fails_the_check(module, why, tmp_path):
+    """A model the check refuses is still imported: without graphs, each bucket's reason in the metadata."""
+    from models.import_models import export_graphs
+
+    files, meta = export_graphs("tiny", module().eval(), 16, tmp_path)
+    assert files == {} and meta["torch_graph_files"] == {} and meta["torch_graph_max_abs_diff"] == -1.0
+    assert set(meta["torch_graph_notes"]) == {"16x16", "16x21", "21x16"}
+    assert all(note.startswith(why) for note in meta["torch_graph_notes"].values()), meta["torch_graph_notes"]
+    assert not list(tmp_path.iterdir())
 
 
 class _BranchesOnColour(_Tiny):
