@@ -9,7 +9,8 @@ Starts one ``bentoml serve service:Rampart`` (default settings plus ``--env``) a
 - ``rss_mb``: the resident memory (MiB) of every role of the process tree
   (``bench.process_cpu.process_role``) and the whole tree, after warm-up
   (``after_warm_up``), the highest seen while a 5× open-loop overload runs
-  (``overload_peak``) and after it (``after_overload``); ``pss_mb`` the same as
+  (``overload_peak``) and after it (``after_overload``: once the runners' idle heap trim has
+  run, ``RAMPART_RUNNER_HEAP_TRIM_IDLE_S``); ``pss_mb`` the same as
   proportional set size (shared pages split between the processes that map them);
 - ``overload``: the closed-loop capacity C (32 clients, 6 s) and the 5×C open-loop burst's
   summary (``bench.loadgen.summarize``);
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arena-ab", action="store_true", help="also time the ONNX models with the arena on and off")
     args = parser.parse_args(argv)
     from bench.harness import Replica
+    from rampart.config import Settings
 
     env = dict(item.split("=", 1) for item in args.env)
     results: dict = {"command": "python -m bench.engine_bench " + " ".join(argv if argv is not None else
@@ -180,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
             with PeakSampler(server.pid) as sampler:
                 samples = asyncio.run(open_loop(url, bodies, rate, args.overload_s, deadline_ms=1000, seed=1))
             results["memory"]["overload_peak"] = sampler.peak
-            time.sleep(2)
+            idle_s = float(env.get("RAMPART_RUNNER_HEAP_TRIM_IDLE_S", Settings().runners.heap_trim_idle_s))
+            time.sleep(2 + 1.5 * idle_s)  # each runner's trim once idle (rampart.heap.IdleTrim)
             results["memory"]["after_overload"] = tree_memory(server.pid)
             results["overload"] = {"capacity_rps": capacity["throughput_rps"], "rate_rps": rate,
                                    **summarize(samples, args.overload_s)}

@@ -294,9 +294,16 @@ class RunnerSettings(_Group):
     # alternated (docs/engines.md, "The traced graph").
     torch_graph: Literal["traced", "eager"] = Field("traced", description="how a runner runs a PyTorch model on a "
                                                     "CPU: `traced`, a frozen TorchScript graph per input shape, "
-                                                    "checked against the module at warm-up (a shape that fails runs "
-                                                    "eagerly, with a warning); `eager`, op by op from Python. On a "
+                                                    "checked against the module (stored by the import; a shape without "
+                                                    "a stored graph is traced and checked at warm-up, and runs "
+                                                    "eagerly, with a warning, if it fails); `eager`, op by op from "
+                                                    "Python. On a "
                                                     "GPU always eager ([engines.md](engines.md#the-traced-graph-pytorch-on-a-cpu))")
+    # glibc keeps what a process frees in its arenas: after a 5x overload on the 2-core host the PyTorch primary held
+    # 130 MiB and the fallback 100 MiB more than after warm-up, until trimmed (docs/engines.md, "Memory per process").
+    heap_trim_idle_s: float = Field(2.0, ge=0.0, description="a runner gives its freed C heap back to the system once "
+                                    "it has computed no batch for this long after computing some (glibc "
+                                    "`malloc_trim`); 0: only after warm-up")
     timing_cache_dir: str = Field("", description="where a runner keeps its batch-size timings, so a restart on "
                                   "the same host with the same model, engine, threads and CPU skips measuring them "
                                   "(its warm-up still runs); empty: `$BENTOML_HOME/rampart-timings`; `off`: measure "

@@ -41,7 +41,7 @@ from rampart.compat.bentoml_private import debug_mode, model_store_dir
 from rampart.config import Settings, default_cpu_threads, get_settings, variable_of
 from rampart.cores import available_cores, cpu_quota_cores, place_this_process, usable_cores
 from rampart.faults import FaultInjector, FaultSpec
-from rampart.heap import release_heap
+from rampart.heap import IdleTrim, release_heap
 from rampart.inputs.buckets import BUCKET_NAMES, Bucket, buckets_for_resolution
 from rampart.telemetry import metrics
 
@@ -120,6 +120,7 @@ class BucketedRunner:
         self.warmed_sizes: list[int] = []
         self.size_timings: dict[int, float] = {}
         self.engine_choice = EngineChoice("", "auto", "not loaded yet")
+        self.heap_trim = IdleTrim(get_settings().runners.heap_trim_idle_s)
         self._lock = threading.Lock()
         self._ready = False
 
@@ -141,7 +142,8 @@ class BucketedRunner:
         PyTorch does 89 images/s at batch 2 and 51 at 16). ``warmup_ms_per_image`` at that
         size seeds the entry service's throughput estimate
         (``rampart.overload.admission.ThroughputMeter``). Afterwards the C heap is trimmed
-        (``release_heap``): what the timing's larger batches left goes back to the system.
+        (``release_heap``): what the timing's larger batches left goes back to the system (and a served runner
+        then starts ``heap_trim``, which trims it again each time the runner goes idle after computing batches).
         """
         started = time.perf_counter()
         square = self.buckets["square"].shape
@@ -175,9 +177,9 @@ class BucketedRunner:
     async def stats(self) -> dict:
         """Counters of this runner: ``warmup_ms_per_image`` (ms), ``warmup_s`` (duration of ``warm_up``, s),
         ``timings_source`` ("measured" at this start, or "cache": ``inference.timing_cache``), ``timing_cache_files``
-        (the cache's files this start read or wrote: the engine choice's, then the warm-up's), ``compute_batch_size``, ``warmed_batch_sizes``, ``ttl_dropped`` and ``oom_splits`` (counts),
+        (the cache's files this start read or wrote: the engine choice's, then the warm-up's), ``compute_batch_size``, ``warmed_batch_sizes``, ``ttl_dropped``, ``oom_splits`` and ``heap_trims`` (counts; ``rampart.heap.IdleTrim``),
         ``torch_graph``: how a torch engine runs the model (``inference.engines.TorchClassifier.graphs``: mode, and
-        each input shape's "traced" or why it runs eagerly; None on ONNX),
+        each input shape's "stored", "traced" or why it runs eagerly; None on ONNX),
         ``cores``: the CPU ids this runner may run on (``rampart.cores``), and ``engine``: the engine it
         computes on and why (``inference.engine_choice.EngineChoice.as_stats``: engine, mode, reason,
         and of each engine measured ms_per_image, compute_batch_size and ms_per_image_by_batch_size), and
@@ -194,6 +196,7 @@ class BucketedRunner:
             "compute_batch_size": self.compute_batch_size,
             "ttl_dropped": self.ttl_dropped,
             "oom_splits": getattr(self.engine, "oom_splits", 0),
+            "heap_trims": self.heap_trim.trims,
             "torch_graph": self.engine.graphs() if hasattr(self.engine, "graphs") else None,
             "lean_calls": lean_calls(),
         }
@@ -259,6 +262,7 @@ class BucketedRunner:
             inference_ms = (time.perf_counter() - start) * 1000.0
         finally:
             inflight.dec()
+            self.heap_trim.worked()
         results = [RunnerResult(expired=True) for _ in items]
         metrics.BATCH_SIZE.labels(self.role, bucket_name).observe(len(live))
         metrics.update_process_rss(self.role)
@@ -448,6 +452,7 @@ def define_runner(role: str, name: str, doc: str) -> bentoml.Service:
         self.engine = load_engine(self.model, spec.memory_fraction, threads, engine=self.engine_choice.engine,
                                   torch_graph=settings.runners.torch_graph)
         self.warm_up(self.engine_choice.timings.get(self.engine_choice.engine), cache, threads)
+        self.heap_trim.start()
         self.timings_source = cache.source  # of the last timing asked for: the engine choice's, or the warm-up's
         self.timing_cache_files = [str(path) for path in dict.fromkeys(cache.files)]
         if self.timings_source == "cache":

@@ -153,3 +153,28 @@ def test_each_process_runs_at_its_niceness_and_each_runner_lowers_its_own_sessio
     assert {role: nice for role, (_, nice) in groups.items()} == expected, groups
     assert len({name for name, _ in groups.values()}) == 3, groups  # one session each
     assert {autogroup(process.pid) for process in decoders} == {groups["api"]}, groups
+
+
+def test_the_primary_gives_its_heap_back_once_when_it_goes_idle_after_batches(server):
+    """``RAMPART_RUNNER_HEAP_TRIM_IDLE_S`` (2 s by default): after a burst of requests the primary runner trims its
+    C heap once (``rampart.heap.IdleTrim``), and not again while it stays idle."""
+    import time
+
+    from rampart.config import Settings
+
+    idle_s = Settings().runners.heap_trim_idle_s
+
+    def trims() -> int:
+        return httpx.get(f"{server.url}/stats", timeout=30).json()["primary"]["runner"]["heap_trims"]
+
+    time.sleep(1.5 * idle_s)  # whatever an earlier test sent has been trimmed
+    before = trims()
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for name in sorted(PHOTOS) * 3:
+            assert client.post("/classify", content=encode(photo(name))).status_code == 200
+    deadline = time.monotonic() + 5 * idle_s
+    while trims() == before and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert trims() == before + 1
+    time.sleep(2 * idle_s)
+    assert trims() == before + 1

@@ -10,6 +10,7 @@ import numpy as np
 
 from rampart.faults import FaultInjector, FaultSpec
 from rampart.inputs.buckets import buckets_for_resolution
+from rampart.heap import IdleTrim
 from runners.common import BucketedRunner, RunnerItem
 
 RESOLUTION = 224
@@ -34,6 +35,7 @@ def runner(delay_ms: float) -> tuple[BucketedRunner, CountingEngine]:
     bucketed.buckets = buckets_for_resolution(RESOLUTION)
     bucketed.faults = FaultInjector("shadow", FaultSpec(delay_ms=delay_ms))
     bucketed.compute_batch_size, bucketed.ttl_dropped, bucketed._lock = 4, 0, threading.Lock()
+    bucketed.heap_trim = IdleTrim(0.0)
     return bucketed, bucketed.engine
 
 
