@@ -312,8 +312,8 @@ def compare_on_sample_photos(reference_predict, candidate_predict, resolution: i
         gap = float(np.abs(reference - candidate).max())
         top_reference, top_candidate = int(reference[0].argmax()), int(candidate[0].argmax())
         if gap > max_abs_diff or top_reference != top_candidate:
-            return max(worst, gap), (f"{photo}: max |p| gap {gap:.2e} (limit {max_abs_diff:.0e}), top-1 "
-                                     f"{top_candidate} against {top_reference}")
+            return max(worst, gap), (f"{photo}: max |p - p_reference| = {gap:.2e} (limit {max_abs_diff:.0e}), "
+                                     f"top-1 {top_candidate} against {top_reference}")
         worst = max(worst, gap)
     return worst, ""
 
