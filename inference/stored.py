@@ -30,8 +30,9 @@ def stored_graphs(model) -> dict[tuple[int, int], object]:
     """The checked TorchScript graphs a PyTorch model's import saved (metadata ``torch_graph_files``: "HxW" -> file,
     written by ``models.import_models.export_graphs``), loaded once per file, by input shape (H, W).
 
-    Empty when the import saved none, or when they were made by another torch version than this process's
-    (metadata ``torch_graph_torch_version``): the engine then traces and checks in this process, as it does for
+    Empty when the import saved none, when they were made by another torch version than this process's
+    (metadata ``torch_graph_torch_version``), or when a file does not load (damaged or missing; one warning): the
+    engine then traces and checks in this process, as it does for
     any shape without a stored graph (``inference.engines.TorchClassifier``). Loading needs torch only.
     """
     import torch
@@ -49,7 +50,12 @@ def stored_graphs(model) -> dict[tuple[int, int], object]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # torch.jit.load is deprecated in favour of torch.export (torch 2.14)
         for name in sorted(set(files.values())):
-            loaded[name] = torch.jit.load(model.path_of(name), map_location="cpu")
+            try:
+                loaded[name] = torch.jit.load(model.path_of(name), map_location="cpu")
+            except Exception as error:  # noqa: BLE001 - a damaged or missing file: trace here rather than not start
+                logger.warning("torch engine: %s's stored graph %s does not load (%s: %s): tracing here instead",
+                               model.tag, name, type(error).__name__, str(error).splitlines()[0][:200] if str(error) else "")
+                return {}
     return {parse_shape_key(key): loaded[name] for key, name in files.items()}
 
 

@@ -209,7 +209,7 @@ def _stored_model(directory, meta: dict, arch: str):
 def test_stored_graphs_serve_every_bucket_without_the_module_and_answer_as_it_does(lite0, tmp_path, caplog):
     """The import's graphs (``export_graphs``), loaded by ``stored_graphs``: every bucket runs one, the module is never
     built, the answers on real photos are the module's; a shape the import did not see builds the module and is
-    checked here; graphs of another torch version are not used."""
+    checked here; graphs of another torch version, or a damaged file, are not used."""
     from inference.stored import stored_graphs
     from models.import_models import china_photo, export_graphs, sample_batch
     from rampart.inputs.buckets import buckets_for_resolution
@@ -236,6 +236,11 @@ def test_stored_graphs_serve_every_bucket_without_the_module_and_answer_as_it_do
         assert stored_graphs(older) == {}
     assert "made by torch 2.0.0" in caplog.text
     assert stored_graphs(_stored_model(tmp_path, {}, "lite0")) == {}  # an import before the graphs
+    caplog.clear()
+    (tmp_path / "graph-0.pt").write_bytes((tmp_path / "graph-0.pt").read_bytes()[:4096])  # the fault: a damaged file
+    with caplog.at_level(logging.WARNING, logger="rampart.engines"):
+        assert stored_graphs(_stored_model(tmp_path, meta, "lite0")) == {}
+    assert "stored graph graph-0.pt does not load" in caplog.text and "tracing here instead" in caplog.text
 
 
 def test_a_process_serving_stored_graphs_never_imports_timm_or_torchvision(lite0, tmp_path):
