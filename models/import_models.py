@@ -358,8 +358,8 @@ def export_graphs(name: str, module, resolution: int, directory: Path) -> tuple[
     for key, why in notes.items():
         logger.warning("%s: inputs of %s have no stored graph (%s); a runner traces them itself", name, key, why)
     if names:
-        logger.info("%s: %d TorchScript graph(s) for %s, within %.1e of the module on the sample photos", name,
-                    len(files), ", ".join(sorted(names)), gap)
+        logger.info("%s: checked TorchScript graphs stored for %s (%d distinct graph file(s) in all), within %.1e of "
+                    "the module on the sample photos", name, ", ".join(sorted(names)), len(files), gap)
     return files, {"torch_graph_files": names, "torch_graph_torch_version": str(torch.__version__),
                    "torch_graph_notes": notes, "torch_graph_max_abs_diff": gap if names else -1.0}
 
