@@ -33,29 +33,11 @@ import time
 from pathlib import Path
 
 import httpx
-import psutil
 
 from bench.loadgen import closed_loop, load_bodies, open_loop, summarize
-from bench.process_cpu import server_processes
+from bench.process_cpu import tree_memory
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "docs" / "bench"
-MIB = 1 << 20
-
-
-def tree_memory(root_pid: int) -> dict[str, dict[str, float]]:
-    """``{"rss_mb": {role: MiB, "total": MiB}, "pss_mb": {...}}`` of the server tree rooted at ``root_pid``."""
-    rss: dict[str, float] = {}
-    pss: dict[str, float] = {}
-    for role, process in server_processes(root_pid).values():
-        try:
-            info = process.memory_full_info()
-        except psutil.Error:
-            continue
-        rss[role] = rss.get(role, 0.0) + info.rss / MIB
-        pss[role] = pss.get(role, 0.0) + getattr(info, "pss", info.rss) / MIB
-    for table in (rss, pss):
-        table["total"] = sum(table.values())
-    return {"rss_mb": {k: round(v, 1) for k, v in rss.items()}, "pss_mb": {k: round(v, 1) for k, v in pss.items()}}
 
 
 class PeakSampler:

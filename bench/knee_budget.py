@@ -8,7 +8,9 @@ then each baseline's ramp, one server at a time, and, when Rampart's primary cho
 PyTorch (``RAMPART_PRIMARY_ENGINE=auto`` on a CPU host may pick its ONNX export), the naive server once
 more on that engine (``naive_onnx``). ``knee_ratios`` divides Rampart's primary-path knee by the raw
 primary ceiling at its best batch size, by every baseline's knee that ran, and by the naive knee on the
-engine Rampart chose (``naive_on_chosen_engine``). Also step 7 of ``python -m bench.load_bench``.
+engine Rampart chose (``naive_on_chosen_engine``). Rampart's ``memory``: the whole process tree's resident memory
+by role (``bench.process_cpu.tree_memory``, MiB of RSS and PSS) after warm-up and after its ramp and budget step.
+Also step 7 of ``python -m bench.load_bench``.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from bench.baselines.common import BASELINE_ENGINE_VARIABLE
 from bench.harness import SLO_MS, Service, Sizes, machine, measure_service, ratio, run_scenario
 from bench.loadgen import closed_loop, load_bodies, run_sync, summarize
 from bench.peers import skipped_peer
+from bench.process_cpu import tree_memory
 from bench.ramp import ramp
 from bench.raw_ceiling import raw_ceiling
 
-__all__ = ["knee_ratios", "naive_on", "measure_naive_on_chosen_engine", "primary_engine", "budget_step", "knee_comparison",
+__all__ = ["knee_ratios", "naive_on", "measure_naive_on_chosen_engine", "primary_engine", "budget_step", "at_the_knee",
+           "knee_comparison",
            "run", "main"]
 
 
@@ -98,6 +102,16 @@ def budget_step(service: Service, bodies: list[bytes], clients: int, step_s: flo
             "full_rps": round(summary["full"] / step_s, 2), "p99_ms": summary["p99_ms"], **report}
 
 
+def at_the_knee(service: Service, bodies: list[bytes], measured: dict, budget_s: float, warm_memory: dict) -> dict:
+    """What Rampart's report adds once its ramp (``measured["ramp"]``) found the primary-path knee: ``cpu_budget``
+    (``budget_step`` at the knee's client count, ``budget_s`` seconds), ``primary_engine`` and ``memory``: the whole
+    tree's resident memory (``bench.process_cpu.tree_memory``) ``after_warm_up`` (``warm_memory``, read before the
+    ramp) and ``after_ramp`` (now, after the budget step)."""
+    return {"cpu_budget": budget_step(service, bodies, measured["ramp"]["primary_knee"]["clients"], budget_s),
+            "primary_engine": primary_engine(service),
+            "memory": {"after_warm_up": warm_memory, "after_ramp": tree_memory(service.process.pid)}}
+
+
 def knee_comparison(out: Path, batch_sizes: list[int], repeats: int, clients: list[int], step_s: float,
                     budget_s: float, command: str) -> int:
     """The raw ceiling, then Rampart's ramp and CPU budget (a ``budget_s`` step) at its primary-path knee, then each
@@ -107,10 +121,10 @@ def knee_comparison(out: Path, batch_sizes: list[int], repeats: int, clients: li
     results: dict = {"machine": machine(), "slo_ms": SLO_MS, "command": command,
                      "raw_ceiling_ips": raw_ceiling(batch_sizes, repeats)}
     def measure(service: Service) -> dict:
+        warm = tree_memory(service.process.pid) if service.name == "rampart" else None
         measured = {"ramp": ramp(service, bodies, clients, step_s)}
         if service.name == "rampart":
-            measured["cpu_budget"] = budget_step(service, bodies, measured["ramp"]["primary_knee"]["clients"], budget_s)
-            measured["primary_engine"] = primary_engine(service)
+            measured |= at_the_knee(service, bodies, measured, budget_s, warm)
         return measured
 
     for name in Service.COMMANDS:
@@ -121,7 +135,9 @@ def knee_comparison(out: Path, batch_sizes: list[int], repeats: int, clients: li
     measure_naive_on_chosen_engine(results, out, bodies, measure)
     results["knee_ratios"] = knee_ratios(results)
     (out / "knee.json").write_text(json.dumps(results, indent=2))
-    print(json.dumps({"knee_ratios": results["knee_ratios"], "cpu_budget": results["rampart"]["cpu_budget"]}, indent=2))
+    print(json.dumps({"knee_ratios": results["knee_ratios"], "cpu_budget": results["rampart"]["cpu_budget"],
+                      "rss_mib": {when: memory["rss_mb"] for when, memory in results["rampart"]["memory"].items()}},
+                     indent=2))
     return 0
 
 

@@ -47,6 +47,9 @@ each service runs in its own subprocess on 127.0.0.1.
    ``naive_onnx``, when it is not PyTorch). ``cpu_budget`` is one more step at the
    primary-path knee's client count with the server's CPU per request by process
    (measured) and by stage (py-spy samples, when installed): ``bench.cpu_budget``.
+   ``memory``: Rampart's whole process tree's resident memory by role (MiB of RSS and PSS,
+   ``bench.process_cpu.tree_memory``) after warm-up, after the ramp and budget step, and (full
+   run) after the overloads and the drain.
    ``--knee-only`` runs just steps 1, 2 (up to 64 clients), the budget and the baselines'
    ramps, about 5 minutes, and writes ``knee.json``.
 
@@ -82,7 +85,8 @@ from bench import ablation, cascade, ceiling, closed_loop, knee_budget, peers
 from bench.cascade import cascade_arm, cascade_scenario, scenario_bodies
 from bench.ceiling import ceiling_scenario, plot_ceiling
 from bench.harness import SLO_MS, Service, Sizes, machine
-from bench.knee_budget import budget_step, knee_ratios, measure_naive_on_chosen_engine, primary_engine
+from bench.knee_budget import at_the_knee, knee_ratios, measure_naive_on_chosen_engine
+from bench.process_cpu import tree_memory
 from bench.loadgen import load_bodies, sweep
 from bench.overload import drain, ramp_and_overload
 from bench.peers import PEERS, service_ratios, skipped_peer
@@ -164,13 +168,14 @@ def _measure_all(out: Path, quick: bool, sweep_client: str, command: str, sizes:
             while unready:  # every server is up before anything is measured (each waited for once)
                 unready.pop().wait_ready(bodies)
             if name == "rampart":
+                warm = tree_memory(service.process.pid)
+
                 def budget(measured: dict, service: Service = service) -> dict:
-                    return {"cpu_budget": budget_step(service, bodies, measured["ramp"]["primary_knee"]["clients"],
-                                                      sizes.budget_s),
-                            "primary_engine": primary_engine(service)}
+                    return at_the_knee(service, bodies, measured, sizes.budget_s, warm)
 
                 results[name] = ramp_and_overload(service, bodies, sizes, sizes.factors, after_ramp=budget)
                 drain(service, bodies)
+                results[name]["memory"]["after_overload"] = tree_memory(service.process.pid)
                 results[name]["closed_loop_sweep"] = [r.summary() for r in sweep(
                     service.url, bodies, sizes.sweep_connections, sizes.sweep_s, SLO_MS, sweep_client)]
                 drain(service, bodies)

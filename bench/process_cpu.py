@@ -1,6 +1,6 @@
-"""CPU time of a server's processes, by role, read with psutil: the one place the benchmarks
-(``bench.ceiling``, ``bench.cpu_budget``, ``bench.workers_bench``) tell a ``bentoml serve``
-tree's processes apart.
+"""CPU time and resident memory of a server's processes, by role, read with psutil: the one place the
+benchmarks (``bench.ceiling``, ``bench.cpu_budget``, ``bench.workers_bench``, ``bench.engine_bench``,
+``bench.knee_budget``) tell a ``bentoml serve`` tree's processes apart.
 
 Roles (``process_role``) of ``bentoml serve service:Rampart`` and its descendants:
 
@@ -21,7 +21,9 @@ import psutil
 
 from rampart.api.lifecycle import ENTRY_SERVICE_NAME
 
-__all__ = ["ROLES", "process_role", "server_processes", "ServerCpu"]
+__all__ = ["ROLES", "process_role", "server_processes", "tree_memory", "ServerCpu"]
+
+MIB = 1 << 20
 
 #: The roles of a Rampart server's processes (module doc); ``ServerCpu.stop`` reports each.
 ROLES = ("api", "decode", "primary", "fallback", "shadow", "supervisor")
@@ -98,3 +100,19 @@ class ServerCpu:
             entry["cpu_s"] += cpu - self._start.get(pid, 0.0)
             entry["processes"] += 1
         return out
+
+
+def tree_memory(root_pid: int) -> dict[str, dict[str, float]]:
+    """``{"rss_mb": {role: MiB, "total": MiB}, "pss_mb": {...}}`` of the server tree rooted at ``root_pid``."""
+    rss: dict[str, float] = {}
+    pss: dict[str, float] = {}
+    for role, process in server_processes(root_pid).values():
+        try:
+            info = process.memory_full_info()
+        except psutil.Error:
+            continue
+        rss[role] = rss.get(role, 0.0) + info.rss / MIB
+        pss[role] = pss.get(role, 0.0) + getattr(info, "pss", info.rss) / MIB
+    for table in (rss, pss):
+        table["total"] = sum(table.values())
+    return {"rss_mb": {k: round(v, 1) for k, v in rss.items()}, "pss_mb": {k: round(v, 1) for k, v in pss.items()}}

@@ -49,6 +49,13 @@ def test_load_bench_quick_runs_end_to_end_with_both_baselines(tmp_path):
     assert results["knee_ratios"]["naive_on_chosen_engine"]["baseline"] == "naive"
     budget = results["rampart"]["cpu_budget"]
     assert budget["requests"] > 0 and all(budget["cpu_us_per_request"][role] > 0 for role in ("api", "primary")), budget
+    # The whole tree's resident memory by role, after warm-up, after the ramp and after the overloads.
+    memory = results["rampart"]["memory"]
+    assert set(memory) == {"after_warm_up", "after_ramp", "after_overload"}, memory
+    for when, figures in memory.items():
+        rss = figures["rss_mb"]
+        assert {"supervisor", "api", "decode", "primary", "fallback"} <= set(rss), (when, rss)
+        assert abs(rss["total"] - sum(v for role, v in rss.items() if role != "total")) < 1 and rss["primary"] > 100, rss
     # Cascade against primary-first on the 24 quick evaluation images: every image compared, routes as asked.
     cascade = results["cascade"]
     assert cascade["images"] == cascade["compared"] == 24 and 0 <= cascade["agreement"] <= 1, cascade

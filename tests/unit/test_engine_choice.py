@@ -283,7 +283,8 @@ def test_engine_bench_reads_a_process_tree_and_plots(tmp_path):
     import json
     import os
 
-    from bench.engine_bench import plot, tree_memory
+    from bench.engine_bench import plot
+    from bench.process_cpu import tree_memory
 
     memory = tree_memory(os.getpid())  # this test process: the root of its own tree
     assert memory["rss_mb"]["supervisor"] > 0 and memory["rss_mb"]["total"] >= memory["rss_mb"]["supervisor"]
