@@ -121,11 +121,11 @@ def knee_comparison(out: Path, batch_sizes: list[int], repeats: int, clients: li
     results: dict = {"machine": machine(), "slo_ms": SLO_MS, "command": command,
                      "raw_ceiling_ips": raw_ceiling(batch_sizes, repeats)}
     def measure(service: Service) -> dict:
-        warm = tree_memory(service.process.pid) if service.name == "rampart" else None
+        if service.name != "rampart":
+            return {"ramp": ramp(service, bodies, clients, step_s)}
+        warm = tree_memory(service.process.pid)
         measured = {"ramp": ramp(service, bodies, clients, step_s)}
-        if service.name == "rampart":
-            measured |= at_the_knee(service, bodies, measured, budget_s, warm)
-        return measured
+        return measured | at_the_knee(service, bodies, measured, budget_s, warm)
 
     for name in Service.COMMANDS:
         if skipped_peer(name, results):

@@ -24,7 +24,7 @@ import numpy as np
 from rampart.results import softmax
 
 __all__ = ["TorchClassifier", "OnnxClassifier", "HostStaging", "cuda_present", "session_options", "CUDA_PROVIDER_OPTIONS",
-           "TORCH_GRAPHS", "TRACE_MAX_ABS_DIFF"]
+           "TORCH_GRAPHS", "TRACE_MAX_ABS_DIFF", "shape_key", "parse_shape_key"]
 
 logger = logging.getLogger("rampart.engines")
 
@@ -61,6 +61,17 @@ class HostStaging:
             flat = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
             buffers[name] = flat
         return flat[:nbytes].view(dtype).view(shape)
+
+
+def shape_key(height: int, width: int) -> str:
+    """An input shape as ``TorchClassifier.graphs()`` and the model metadata name it: "HxW" (px)."""
+    return f"{height}x{width}"
+
+
+def parse_shape_key(key: str) -> tuple[int, int]:
+    """(H, W) from ``shape_key``'s "HxW"; ``ValueError`` for anything else."""
+    height, width = key.split("x")
+    return int(height), int(width)
 
 
 #: How ``TorchClassifier`` runs a module on the CPU (``RAMPART_RUNNER_TORCH_GRAPH``): ``traced``, a frozen TorchScript
@@ -109,9 +120,10 @@ class TorchClassifier:
     be traced, runs eagerly, with one warning naming the reason.
     ``graphs()`` says which shapes run traced.
 
-    Stored graphs: ``stored_graphs`` maps input shapes (H, W) to graphs the model's import traced, checked and saved
-    (``models.import_models.export_graphs``, loaded by ``inference.stored.load_engine``); under "traced" on a CPU
-    those shapes run them without any check here. ``module`` may then be a callable with no arguments that builds
+    Stored graphs: ``load_stored_graphs``, called once, only under "traced" on a CPU (so a GPU host never reads the
+    files), returns input shapes (H, W) mapped to graphs the model's import traced, checked and saved
+    (``models.import_models.export_graphs``, loaded by ``inference.stored.stored_graphs``); those shapes run them
+    without any check here. ``module`` may then be a callable with no arguments that builds
     the module: it is called only when a shape without a stored graph needs the module (to trace or to run), on
     CUDA, or under "eager". So a runner whose every bucket has a stored graph never builds the module nor imports
     the library of its architecture (timm imports torchvision: about 195 MiB of resident memory on this project's
@@ -121,7 +133,7 @@ class TorchClassifier:
     name = "torch"
 
     def __init__(self, module, mean: float, std: float, device: str | None = None, memory_fraction: float = 0.9,
-                 threads: int = 0, graph: str = "eager", stored_graphs: dict | None = None) -> None:
+                 threads: int = 0, graph: str = "eager", load_stored_graphs=None) -> None:
         if graph not in TORCH_GRAPHS:
             raise ValueError(f"graph {graph!r} is not one of {TORCH_GRAPHS}")
         import torch
@@ -145,10 +157,9 @@ class TorchClassifier:
         self._graph_lock = threading.Lock()
         self._module_lock = threading.Lock()
         self._stored: set[tuple[int, int]] = set()
-        if self.graph == "traced":
-            for (height, width), stored in (stored_graphs or {}).items():
-                self._graphs[int(height), int(width)] = stored
-                self._stored.add((int(height), int(width)))
+        if self.graph == "traced" and load_stored_graphs is not None:
+            self._graphs.update(load_stored_graphs())
+            self._stored.update(self._graphs)
         if self._build_module is not None and self.graph == "eager":
             _ = self.module
 
@@ -183,7 +194,7 @@ class TorchClassifier:
                 return f"eager: {self._graph_notes[key]}"
             return "stored" if key in self._stored else "traced"
 
-        return {"mode": self.graph, "shapes": {f"{h}x{w}": state((h, w)) for h, w in self._graphs}}
+        return {"mode": self.graph, "shapes": {shape_key(*key): state(key) for key in self._graphs}}
 
     def traced_graphs(self) -> dict[tuple[int, int], object]:
         """Each input shape (H, W) with the graph that serves it, for the shapes that run a graph (``graphs()``)."""

@@ -10,20 +10,9 @@ from __future__ import annotations
 import logging
 import warnings
 
-__all__ = ["load_engine", "stored_graphs", "shape_key", "parse_shape_key"]
+__all__ = ["load_engine", "stored_graphs"]
 
 logger = logging.getLogger("rampart.engines")
-
-
-def shape_key(height: int, width: int) -> str:
-    """An input shape as the model metadata names it: "HxW" (px)."""
-    return f"{height}x{width}"
-
-
-def parse_shape_key(key: str) -> tuple[int, int]:
-    """(H, W) from ``shape_key``'s "HxW"; ``ValueError`` for anything else."""
-    height, width = key.split("x")
-    return int(height), int(width)
 
 
 def stored_graphs(model) -> dict[tuple[int, int], object]:
@@ -36,6 +25,8 @@ def stored_graphs(model) -> dict[tuple[int, int], object]:
     any shape without a stored graph (``inference.engines.TorchClassifier``). Loading needs torch only.
     """
     import torch
+
+    from inference.engines import parse_shape_key
 
     meta = model.info.metadata
     files = meta.get("torch_graph_files") or {}
@@ -99,5 +90,5 @@ def load_engine(model, memory_fraction: float, threads: int = 0, engine: str | N
 
         return TorchClassifier(build_module, meta["mean"], meta["std"], memory_fraction=memory_fraction,
                                threads=threads, graph=torch_graph,
-                               stored_graphs=stored_graphs(model) if torch_graph == "traced" else None)
+                               load_stored_graphs=lambda: stored_graphs(model))
     raise ValueError(f"model {model.tag}: a {framework} model without an ONNX export cannot run on {engine!r}")

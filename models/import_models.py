@@ -333,8 +333,7 @@ def export_graphs(name: str, module, resolution: int, directory: Path) -> tuple[
     """
     import torch
 
-    from inference.engines import TorchClassifier
-    from inference.stored import shape_key
+    from inference.engines import TorchClassifier, shape_key
 
     traced = TorchClassifier(module, LITE_MEAN, LITE_STD, device="cpu", graph="traced")
     eager = TorchClassifier(module, LITE_MEAN, LITE_STD, device="cpu", graph="eager")
@@ -342,19 +341,18 @@ def export_graphs(name: str, module, resolution: int, directory: Path) -> tuple[
         traced.predict(np.zeros((1, *bucket.shape), dtype=np.uint8))
     notes = {key: state.removeprefix("eager: ") for key, state in traced.graphs()["shapes"].items() if state != "traced"}
     gap, disagreement = compare_on_sample_photos(eager.predict, traced.predict, resolution)
-    graphs = {} if disagreement else traced.traced_graphs()
+    graphs = traced.traced_graphs()
     if disagreement:
-        notes = {shape_key(*key): f"the graph disagrees with the module on {disagreement}"
-                 for key in traced.traced_graphs()} | notes
-    files, names, by_graph = {}, {}, {}
-    for key, graph in graphs.items():
-        if id(graph) not in by_graph:
-            by_graph[id(graph)] = f"graph-{len(by_graph)}.pt"
-            files[by_graph[id(graph)]] = directory / by_graph[id(graph)]
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # torch.jit.save is deprecated in favour of torch.export (torch 2.14)
-                torch.jit.save(graph, str(files[by_graph[id(graph)]]))
-        names[shape_key(*key)] = by_graph[id(graph)]
+        notes = {shape_key(*key): f"the graph disagrees with the module on {disagreement}" for key in graphs} | notes
+        graphs = {}
+    distinct = list({id(graph): graph for graph in graphs.values()}.values())  # one graph may serve several shapes
+    file_of = {id(graph): f"graph-{i}.pt" for i, graph in enumerate(distinct)}
+    files = {file_of[id(graph)]: directory / file_of[id(graph)] for graph in distinct}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.save is deprecated in favour of torch.export (torch 2.14)
+        for graph in distinct:
+            torch.jit.save(graph, str(files[file_of[id(graph)]]))
+    names = {shape_key(*key): file_of[id(graph)] for key, graph in graphs.items()}
     for key, why in notes.items():
         logger.warning("%s: inputs of %s have no stored graph (%s); a runner traces them itself", name, key, why)
     if names:

@@ -206,22 +206,36 @@ def _stored_model(directory, meta: dict, arch: str):
     return SimpleNamespace(info=SimpleNamespace(metadata=meta), path_of=lambda name: str(directory / name), tag=arch)
 
 
-def test_stored_graphs_serve_every_bucket_without_the_module_and_answer_as_it_does(lite0, tmp_path, caplog):
+@pytest.fixture(scope="module")
+def lite0_graphs(lite0, tmp_path_factory):
+    """``export_graphs`` of EfficientNet-Lite0 (real weights) once for this module: (directory, files, metadata)."""
+    from models.import_models import export_graphs
+
+    directory = tmp_path_factory.mktemp("lite0-graphs")
+    module, resolution = lite0
+    files, meta = export_graphs("lite0", module, resolution, directory)
+    return directory, files, meta
+
+
+def test_stored_graphs_serve_every_bucket_without_the_module_and_answer_as_it_does(lite0, lite0_graphs, tmp_path,
+                                                                                 caplog):
     """The import's graphs (``export_graphs``), loaded by ``stored_graphs``: every bucket runs one, the module is never
     built, the answers on real photos are the module's; a shape the import did not see builds the module and is
     checked here; graphs of another torch version, or a damaged file, are not used."""
+    import shutil
+
     from inference.stored import stored_graphs
-    from models.import_models import china_photo, export_graphs, sample_batch
+    from models.import_models import china_photo, sample_batch
     from rampart.inputs.buckets import buckets_for_resolution
 
     module, resolution = lite0
-    files, meta = export_graphs("lite0", module, resolution, tmp_path)
+    directory, files, meta = lite0_graphs
     shapes = {f"{b.height}x{b.width}" for b in buckets_for_resolution(resolution).values()}
     assert meta["torch_graph_files"] == dict.fromkeys(shapes, "graph-0.pt") and list(files) == ["graph-0.pt"]
     assert meta["torch_graph_notes"] == {} and 0.0 <= meta["torch_graph_max_abs_diff"] <= TRACE_MAX_ABS_DIFF
     built = []
     engine = TorchClassifier(lambda: built.append(module) or module, 127.0, 128.0, device="cpu", graph="traced",
-                             stored_graphs=stored_graphs(_stored_model(tmp_path, meta, "lite0")))
+                             load_stored_graphs=lambda: stored_graphs(_stored_model(directory, meta, "lite0")))
     eager = TorchClassifier(module, 127.0, 128.0, device="cpu", graph="eager")
     photos, _ = sample_batch(resolution)
     for batch in [photos] + [china_photo(bucket) for bucket in buckets_for_resolution(resolution).values()]:
@@ -231,27 +245,28 @@ def test_stored_graphs_serve_every_bucket_without_the_module_and_answer_as_it_do
     assert engine.graphs() == {"mode": "traced", "shapes": dict.fromkeys(sorted(shapes), "stored")}
     engine.predict(_batch(1, side=64))
     assert len(built) == 1 and engine.graphs()["shapes"]["64x64"] == "traced"
-    older = _stored_model(tmp_path, {**meta, "torch_graph_torch_version": "2.0.0"}, "lite0")
+    older = _stored_model(directory, {**meta, "torch_graph_torch_version": "2.0.0"}, "lite0")
     with caplog.at_level(logging.INFO, logger="rampart.engines"):
         assert stored_graphs(older) == {}
     assert "made by torch 2.0.0" in caplog.text
-    assert stored_graphs(_stored_model(tmp_path, {}, "lite0")) == {}  # an import before the graphs
+    assert stored_graphs(_stored_model(directory, {}, "lite0")) == {}  # an import before the graphs
     caplog.clear()
+    shutil.copytree(directory, tmp_path, dirs_exist_ok=True)  # the shared graphs stay whole for the other tests
     (tmp_path / "graph-0.pt").write_bytes((tmp_path / "graph-0.pt").read_bytes()[:4096])  # the fault: a damaged file
     with caplog.at_level(logging.WARNING, logger="rampart.engines"):
         assert stored_graphs(_stored_model(tmp_path, meta, "lite0")) == {}
     assert "stored graph graph-0.pt does not load" in caplog.text and "tracing here instead" in caplog.text
 
 
-def test_a_process_serving_stored_graphs_never_imports_timm_or_torchvision(lite0, tmp_path):
+def test_a_process_serving_stored_graphs_never_imports_timm_or_torchvision(lite0, lite0_graphs, tmp_path):
     """The primary runner's engine path on the import's graphs: ``load_engine`` under "traced", every bucket at two
     batch sizes, without timm or torchvision in the process (building the module would import both)."""
-    from models.import_models import LITE0, export_graphs
+    from models.import_models import LITE0
     from rampart.inputs.buckets import buckets_for_resolution
 
-    module, resolution = lite0
-    _, meta = export_graphs("lite0", module, resolution, tmp_path)
-    (tmp_path / "meta.json").write_text(json.dumps(_stored_model(tmp_path, meta, LITE0.arch).info.metadata))
+    _, resolution = lite0
+    directory, _, meta = lite0_graphs
+    (tmp_path / "meta.json").write_text(json.dumps(_stored_model(directory, meta, LITE0.arch).info.metadata))
     shapes = [b.shape for b in buckets_for_resolution(resolution).values()]
     code = f"""
 import json, sys
@@ -259,8 +274,8 @@ from pathlib import Path
 from types import SimpleNamespace
 import numpy as np
 from inference.stored import load_engine
-directory = Path({str(tmp_path)!r})
-model = SimpleNamespace(info=SimpleNamespace(metadata=json.loads((directory / "meta.json").read_text())),
+directory = Path({str(directory)!r})
+model = SimpleNamespace(info=SimpleNamespace(metadata=json.loads(Path({str(tmp_path / "meta.json")!r}).read_text())),
                         path_of=lambda name: str(directory / name), tag="lite0")
 engine = load_engine(model, 0.9, 1, engine="torch", torch_graph="traced")
 for shape in {shapes!r}:
