@@ -66,6 +66,7 @@ from rampart.inputs.buckets import buckets_for_resolution
 from rampart.overload.looplag import LoopLagMonitor
 from rampart.coalesce import Coalescer
 from rampart.pipeline import Pipeline, ModelEndpoint, RunnerResult, decode_pool
+from rampart.lane import RiderSource
 from rampart.runner_client import RunnerClient
 from rampart.shadow import ShadowMirror, models_busy
 from rampart.telemetry import metrics
@@ -93,6 +94,8 @@ def model_endpoint(tag: str, runner, max_items: int = 1,
     (``rampart.coalesce.Coalescer``: at most ``runner_calls_in_flight`` calls out per
     bucket, at most ``max_items`` images each, the runner's ``max_batch_size``, and no more than
     fit before the earliest deadline at ``item_cost_s()``, the model's measured seconds per image).
+    With ``runner_low_priority_riders`` as well, the lane tops calls up with waiting low-priority images
+    (``accept_riders``; ``rampart.overload.admission.AdmissionGate.carry``).
     """
     stored = bentoml.models.get(tag)
     meta = stored.info.metadata
@@ -118,6 +121,12 @@ def model_endpoint(tag: str, runner, max_items: int = 1,
             (result,) = await send(bucket_name, [item])
         return RunnerResult.from_wire(result)
 
+    def accept_riders(source: RiderSource, fill_to: Callable[[], int]) -> None:
+        def top_up(bucket_name: str, room: int, in_call: int) -> list:
+            return [(RunnerItem(pixels=pixels, deadline_epoch_s=deadline_epoch_s), future)
+                    for pixels, deadline_epoch_s, future in source(bucket_name, room, in_call)]
+        coalescer.top_up, coalescer.fill_to = top_up, fill_to
+
     return ModelEndpoint(
         name=stored.tag.name,
         version=stored.tag.version,
@@ -128,6 +137,7 @@ def model_endpoint(tag: str, runner, max_items: int = 1,
                             "connections_opened": lean.pool.opened if lean else None,
                             **dataclasses.asdict(coalescer.stats),
                             "items_per_call": coalescer.stats.items_per_call},
+        accept_riders=accept_riders if settings.runners.coalescing and settings.runners.low_priority_riders else None,
     )
 
 
@@ -288,7 +298,7 @@ class Rampart:
                                    ("fallback", self.pipeline.fallback, self.fallback)):
             counters = await runner_stats(runner)
             if counters:
-                lane.gate.meter.seed(counters["warmup_ms_per_image"])
+                lane.seed(counters)
                 warmup[role] = counters.get("warmup_s", 0.0)
         await self.pipeline.warm_up_decoders()
         self.lifecycle.mark_ready()

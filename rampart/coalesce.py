@@ -26,6 +26,11 @@ What each caller keeps:
   waiting before its item is sent takes it out of the queue (it is never sent);
 - at most ``max_items`` per call (the runner's ``max_batch_size``).
 
+Riders: a call formed with fewer than ``fill_to()`` items may be topped up to it by ``top_up(bucket, room,
+in_call)``, which returns items already taken elsewhere, each with the future of its result (the low priority
+class: ``rampart.overload.admission.AdmissionGate.carry`` says when). They go last in the call, only as many as
+fit before the earliest deadline in it, and are counted in ``CoalescerStats.riders``.
+
 Plain asyncio, no BentoML: ``send(bucket, items) -> results`` is the runner call.
 """
 
@@ -50,12 +55,14 @@ class ExpiredBeforeSend(TimeoutError):
 @dataclass
 class CoalescerStats:
     """Counts since start: ``calls`` sent, ``items`` sent in them, ``expired`` dropped before sending,
-    ``abandoned`` taken back by callers that stopped waiting before their item left."""
+    ``abandoned`` taken back by callers that stopped waiting before their item left, ``riders`` added to calls by
+    ``top_up`` (counted in ``items`` too)."""
 
     calls: int = 0
     items: int = 0
     expired: int = 0
     abandoned: int = 0
+    riders: int = 0
 
     @property
     def items_per_call(self) -> float | None:
@@ -76,8 +83,15 @@ class Coalescer(Generic[Item, Result]):
     is the item's deadline in ``time.time()`` seconds. ``max_items`` bounds a call (≥ 1),
     ``in_flight`` the calls out per bucket (≥ 1). ``item_cost_s()`` is the model's
     measured seconds per item (None or 0 while unmeasured: no bound but ``max_items``).
-    Raises ``ValueError`` for bounds below 1.
+    ``top_up`` and ``fill_to`` (attributes, None and ``lambda: 1`` by default: no riders) add riders
+    (module doc). Raises ``ValueError`` for bounds below 1.
     """
+
+    #: ``top_up(bucket, room, in_call) -> [(item, future)]``: at most ``room`` items to carry in a call being
+    #: formed with ``in_call`` items, each with the future its result is set on; None: calls carry no riders.
+    top_up: Callable[[str, int, int], list[tuple[Item, asyncio.Future]]] | None = None
+    #: The number of items a call is topped up to (the runner's compute batch size).
+    fill_to: Callable[[], int] = staticmethod(lambda: 1)
 
     def __init__(self, send: Callable[[str, list[Item]], Awaitable[list[Result]]],
                  deadline_of: Callable[[Item], float], max_items: int, in_flight: int = 1,
@@ -139,6 +153,13 @@ class Coalescer(Generic[Item, Result]):
             batch.append((item, future))
         if not batch:
             return
+        room = min(self.fill_to(), self.max_items) - len(batch)
+        if cost_s > 0:  # riders only where they keep everyone in the call in time
+            room = min(room, int((earliest - now) / cost_s) - len(batch))
+        if room > 0 and self.top_up is not None:
+            riders = self.top_up(bucket, room, len(batch))
+            batch.extend(riders)
+            self.stats.riders += len(riders)
         state.busy += 1
         self.stats.calls += 1
         self.stats.items += len(batch)

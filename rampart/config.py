@@ -278,6 +278,11 @@ class RunnerSettings(_Group):
     coalescing: bool = Field(True, description="images bound for one bucket of one runner share a call, what arrives "
                              "meanwhile goes in the next ([serving-cost.md](serving-cost.md)); false: one call per image")
     calls_in_flight: int = Field(1, ge=1, description="with coalescing, calls out per bucket at most")
+    low_priority_riders: bool = Field(True, description="with coalescing, waiting `X-Priority: low` images ride in a "
+                                      "call that a normal or high image forms while nothing else of the API worker "
+                                      "is in the runner, up to the runner's compute batch size "
+                                      "([planning.md](planning.md#the-low-priority-class-x-priority-low)); false: "
+                                      "low images go only one at a time, into an idle runner")
     transport: Literal["lean", "proxy"] = Field("lean", description="how the entry service sends runner calls: "
                                                 "`lean`, BentoML's wire format over Rampart's keep-alive HTTP/1.1 "
                                                 "client (`rampart.runner_client`); `proxy`, BentoML's dependency "

@@ -67,6 +67,10 @@ class RunnerResult:
 #: ``call(bucket_name, pixels uint8 H×W×3, deadline_epoch_s)``: ``deadline_epoch_s`` is the end of
 #: the lane's share of the request's deadline as ``time.time()`` seconds (``Deadline.epoch_s``).
 RunnerCall = Callable[[str, np.ndarray, float], Awaitable[RunnerResult]]
+#: ``source(bucket_name, room, in_call) -> [(pixels, deadline_epoch_s, future)]``: at most ``room`` images, already
+#: dispatched, to ride in a call being formed with ``in_call`` images; the call sets each one's runner result
+#: (the wire form) on its ``future``.
+RiderSource = Callable[[str, int, int], list[tuple[np.ndarray, float, asyncio.Future]]]
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,9 @@ class ModelEndpoint:
     call: RunnerCall
     #: Counts of the calls made to the runner (``rampart.coalesce.CoalescerStats`` as a dict), for ``/stats``.
     call_stats: Callable[[], dict] | None = None
+    #: ``accept_riders(source, fill_to)``: calls of this endpoint are topped up to ``fill_to()`` images with
+    #: ``source``'s (a ``RiderSource``); None where calls carry one image each (no coalescing, or riders off).
+    accept_riders: Callable[["RiderSource", Callable[[], int]], None] | None = None
 
     @property
     def identity(self) -> dict[str, str]:
@@ -98,6 +105,11 @@ class Attempt:
 
 #: The ``degraded_reason`` suffix of each refusal (``Shed.reason``); gate sheds are ``overloaded``.
 REFUSAL_SUFFIX = {"timeout": "timeout", "circuit_open": "circuit_open"}
+
+
+async def _carried(result: asyncio.Future) -> RunnerResult:
+    """The pipeline's form of a rider's result (``RiderSource``), once its call answered."""
+    return RunnerResult.from_wire(await result)
 
 
 class ModelLane:
@@ -153,6 +165,21 @@ class ModelLane:
         self.failures = {"error": 0, "stalled": 0}  # what the breaker was told, by kind
         self._published_queue: dict[str, int] = {}  # queue depth last written per bucket
         gate.on_change = self._publish_queue
+        #: Images a call is topped up to with waiting low ones (``AdmissionGate.carry``): the runner's compute batch
+        #: size, from its ``/stats`` once it is warm (``seed``); 1 (no riders) until then.
+        self.fill_to = 1
+        if endpoint.accept_riders is not None:
+            endpoint.accept_riders(self._riders, lambda: self.fill_to)
+
+    def seed(self, runner_counters: dict) -> None:
+        """Take a warm runner's ``stats`` (``runners.common``): its warm-up speed seeds the gate's meter, its
+        ``compute_batch_size`` is what calls are topped up to with low images (``fill_to``)."""
+        self.gate.meter.seed(runner_counters["warmup_ms_per_image"])
+        self.fill_to = max(1, int(runner_counters.get("compute_batch_size") or 1))
+
+    def _riders(self, bucket_name: str, room: int, in_call: int) -> list[tuple[np.ndarray, float, asyncio.Future]]:
+        """The ``RiderSource`` of this lane's endpoint: waiting low tickets the gate lets ride (``AdmissionGate.carry``)."""
+        return [(*ticket.cargo, ticket.carried) for ticket in self.gate.carry(bucket_name, room, in_call)]
 
     def _publish_queue(self, gate: AdmissionGate) -> None:
         """Set the queue-depth gauge of each bucket whose count changed since the last call: a change
@@ -234,12 +261,16 @@ class ModelLane:
         async def admitted_call() -> RunnerResult:
             nonlocal dispatched, progress_at_dispatch
             set_stage("queue")
-            async with ticket.turn(lambda: deadline.remaining_s(self.share), bucket.name):
+            deadline_epoch_s = deadline.epoch_s(self.share)
+            async with ticket.turn(lambda: deadline.remaining_s(self.share), bucket.name, (pixels, deadline_epoch_s)):
                 dispatched, progress_at_dispatch = True, self.responses
                 if self.calls_out == 0:  # no call of this worker out: the runner's silence so far was not a stall
                     self.busy_since = time.monotonic()
                 set_stage("model")
-                call = asyncio.ensure_future(self.endpoint.call(bucket.name, pixels, deadline.epoch_s(self.share)))
+                if ticket.carried is not None:  # it rides in a call a higher class's image formed
+                    call = asyncio.ensure_future(_carried(ticket.carried))
+                else:
+                    call = asyncio.ensure_future(self.endpoint.call(bucket.name, pixels, deadline_epoch_s))
                 self.calls_out += 1
                 call.add_done_callback(self._responded)
                 call.add_done_callback(functools.partial(self._observe, time.monotonic(), self.gate.dispatched))

@@ -42,7 +42,9 @@ share, at least one) are dispatched: a normal or high arrival finds at most that
 the runner ahead of it, and the rest of the window (always more than a batch) is
 free for it, so a low item never holds a place a higher one could take. (Items
 already sent to the runner cannot be called back; the small low window is what
-keeps them out of a higher request's way.)
+keeps them out of a higher request's way.) A waiting low image may also ride in a call that a normal or high
+image forms while nothing else of a higher class is with the runner, up to the runner's compute batch size
+(``carry``: ``rampart.lane.ModelLane`` hands them to the ``rampart.coalesce.Coalescer`` that forms the call).
 
 For experiments only (setting ``admission``, docs/benchmarks.md, "Ablation"), a gate's ``mode`` can
 switch shedding off in part: ``queue-bound`` refuses only ``queue_full`` (no
@@ -273,6 +275,12 @@ class ServiceTime:
         return 0.0 if self.compute_s is None else self.overhead_s + images * self.compute_s
 
 
+def _retrieved(future: asyncio.Future) -> None:
+    """Mark ``future``'s exception as read, so that one nobody awaits is not logged as never retrieved."""
+    if not future.cancelled():
+        future.exception()
+
+
 class Ticket:
     """A place in an ``AdmissionGate``, taken once the request's body is in (before it is decoded).
 
@@ -289,6 +297,11 @@ class Ticket:
         self.future: asyncio.Future | None = None
         self.evicted = False
         self.bucket = DECODING  # the bucket it waits in, once its image is decoded
+        #: What a call needs to carry this ticket's image (``turn(cargo=...)``), kept while a low ticket waits.
+        self.cargo: object | None = None
+        #: Set when ``AdmissionGate.carry`` dispatched this ticket into a call a higher class's image formed: the
+        #: future of its result in that call. The ticket's holder then waits for it and makes no call of its own.
+        self.carried: asyncio.Future | None = None
 
     @property
     def high(self) -> bool:
@@ -296,7 +309,8 @@ class Ticket:
         return self.rank == HIGH
 
     @asynccontextmanager
-    async def turn(self, remaining_s: Callable[[], float] | None = None, bucket: str = DECODING) -> AsyncIterator[None]:
+    async def turn(self, remaining_s: Callable[[], float] | None = None, bucket: str = DECODING,
+                   cargo: object | None = None) -> AsyncIterator[None]:
         """Wait for dispatch (high first, then normal, then low, each in arrival order), then hold the slot.
 
         At dispatch the prediction is made again with ``remaining_s()`` (seconds
@@ -304,11 +318,17 @@ class Ticket:
         (``Shed("predicted_late")``), so the model spends nothing on it and the
         fallback gets the time that is left. Call ``gate.completed()`` for an
         answer that came back in time.
+
+        A low ticket waiting with ``cargo`` (what a call needs to carry its image) may be dispatched by
+        ``AdmissionGate.carry`` into a call that a higher class's image formed in ``bucket``: ``carried`` is then
+        its result's future, already on its way, and no prediction is made again.
         """
         gate = self.gate
         if self.evicted:
             raise Shed("evicted", f"{gate.name}: evicted by a request of a higher priority class")
         gate._move(self, bucket)
+        if self.rank == LOW:
+            self.cargo = cargo
         if gate.dispatched < gate.window_for(self.rank) and not gate._heap_has_waiters(self.rank):
             gate._take(self)
         else:
@@ -318,17 +338,18 @@ class Ticket:
                 await self.future
             except BaseException:
                 if self.future.done() and not self.future.cancelled() and self.future.exception() is None:
-                    gate._release()  # dispatched in the same instant the caller gave up: hand the slot on
+                    gate._release(self.rank)  # dispatched in the same instant the caller gave up: hand the slot on
                 else:
                     self.cancel()
                 raise
         try:
             alone = gate.dispatched == 1  # an idle model always gets a try: the meter may be stale
-            if gate.predicts and remaining_s is not None and not alone and gate.completion_s(gate.dispatched) > remaining_s():
+            if (self.carried is None and gate.predicts and remaining_s is not None and not alone
+                    and gate.completion_s(gate.dispatched) > remaining_s()):
                 raise Shed("predicted_late", f"{gate.name}: {gate.dispatched} images ahead no longer fit the deadline")
             yield
         finally:
-            gate._release()
+            gate._release(self.rank)
 
     @property
     def queued(self) -> bool:
@@ -387,6 +408,7 @@ class AdmissionGate:
         #: ``prediction`` "service" they predict completion once observed, unless the throughput is fixed.
         self.service = service if service is not None else ServiceTime(1 / workers, concurrent_batches)
         self.dispatched = 0
+        self.dispatched_low = 0  # of ``dispatched``, low-priority images
         self.queued = 0  # tickets reserved or waiting, not dispatched yet
         self.queued_by_rank = [0, 0, 0]  # the same, by class (0 high, 1 normal, 2 low)
         self._pending: dict[int, Ticket] = {}  # the queued tickets, in arrival order
@@ -587,10 +609,12 @@ class AdmissionGate:
     def _take(self, ticket: Ticket) -> None:
         self._forget(ticket)
         self.dispatched += 1
+        self.dispatched_low += ticket.rank == LOW
         self.meter.busy(self.dispatched > 0)
 
-    def _release(self) -> None:
+    def _release(self, rank: int) -> None:
         self.dispatched -= 1
+        self.dispatched_low -= rank == LOW
         self.meter.busy(self.dispatched > 0)
         while self._heap and self.dispatched < self.window:
             rank, _, ticket = self._heap[0]
@@ -601,6 +625,35 @@ class AdmissionGate:
             if waiting:
                 self._take(ticket)
                 ticket.future.set_result(None)
+
+    def carry(self, bucket: str, room: int, in_call: int) -> list[Ticket]:
+        """Dispatch up to ``room`` waiting low tickets of ``bucket`` into a call being formed with ``in_call`` images
+        of a higher class, and return them, oldest first; each gets ``carried``, a new future for its result.
+
+        Low work rides only where the model had no other work of a higher class: when this gate has no image of
+        a higher class dispatched but the ``in_call`` images (as this worker sees the runner), no ticket of a
+        higher class waits for dispatch, and the window has room. Up to the runner's compute batch size a batch
+        costs less per image than one image alone (EfficientNet-Lite2 on the 2-core host, warm-up timing: 25.5
+        ms an image alone, 18.6 at two), so a rider costs the model less than its own call would; it delays the
+        images in its call by that difference, and never joins a call while other higher-class work is with the
+        runner. Only tickets waiting with ``cargo`` (``turn``) ride. Measured: docs/planning.md, "Riders".
+        """
+        higher = self.dispatched - self.dispatched_low
+        if room <= 0 or not self.queued_by_rank[LOW] or not 1 <= higher <= in_call or self._heap_has_waiters(NORMAL):
+            return []
+        riders: list[Ticket] = []
+        for rank, _, ticket in sorted(self._heap):
+            if len(riders) >= room or self.dispatched >= self.window:
+                break
+            if (rank == LOW and ticket.bucket == bucket and ticket.cargo is not None and ticket.queued
+                    and ticket.future is not None and not ticket.future.done()):
+                self._take(ticket)
+                ticket.carried = asyncio.get_running_loop().create_future()
+                ticket.carried.add_done_callback(_retrieved)  # a rider whose request gave up never reads it
+                riders.append(ticket)
+        for ticket in riders:  # left in the heap, dispatched: _release drops them from it as it passes
+            ticket.future.set_result(None)
+        return riders
 
     def _heap_has_waiters(self, rank: int) -> bool:
         """Whether a ticket of class ``rank`` or higher waits for dispatch (a lower one never holds it back)."""

@@ -1,0 +1,220 @@
+"""Low-priority riders: waiting ``X-Priority: low`` images ride in a runner call that a normal image forms
+(``rampart.coalesce.Coalescer.top_up``, ``rampart.overload.admission.AdmissionGate.carry``, ``rampart.lane``),
+in-process, with stand-in runners."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import numpy as np
+
+from rampart.coalesce import Coalescer
+from rampart.inputs.buckets import buckets_for_resolution
+from rampart.lane import ModelEndpoint, ModelLane
+from rampart.overload.admission import AdmissionGate, Shed, ThroughputMeter
+from rampart.overload.deadline import Deadline, Share
+
+
+class Runner:
+    """A stand-in runner call: answers ``("ok", name)`` per item after ``delay_s``; records each call's names."""
+
+    def __init__(self, delay_s: float = 0.05) -> None:
+        self.delay_s = delay_s
+        self.calls: list[list[str]] = []
+
+    async def __call__(self, bucket: str, items: list) -> list:
+        self.calls.append([item["name"] for item in items])
+        await asyncio.sleep(self.delay_s)
+        return [("ok", item["name"]) for item in items]
+
+
+def item(name: str, deadline_s: float = 60.0) -> dict:
+    return {"name": name, "deadline": time.time() + deadline_s}
+
+
+def riding_coalescer(runner: Runner, riders: list[str], fill_to: int, item_cost_s=lambda: None):
+    """A coalescer whose ``top_up`` hands out ``riders`` (names, in order) and records each offer's room."""
+    coalescer = Coalescer(runner, lambda entry: entry["deadline"], 16, 1, item_cost_s)
+    offers: list[tuple[int, int]] = []
+    futures: dict[str, asyncio.Future] = {}
+
+    def top_up(bucket: str, room: int, in_call: int) -> list:
+        offers.append((room, in_call))
+        taken, riders[:] = riders[:room], riders[room:]
+        out = []
+        for name in taken:
+            futures[name] = asyncio.get_running_loop().create_future()
+            out.append((item(name), futures[name]))
+        return out
+
+    coalescer.top_up, coalescer.fill_to = top_up, lambda: fill_to
+    return coalescer, offers, futures
+
+
+def test_a_call_is_topped_up_to_fill_to_with_riders_that_go_last_and_get_their_own_results():
+    runner = Runner()
+
+    async def scenario():
+        c, offers, futures = riding_coalescer(runner, ["low-1", "low-2", "low-3"], fill_to=3)
+        answer = await c.call("square", item("normal"))
+        return answer, offers, {name: await future for name, future in futures.items()}, c.stats
+
+    answer, offers, riders, stats = asyncio.run(scenario())
+    assert runner.calls == [["normal", "low-1", "low-2"]]
+    assert answer == ("ok", "normal") and riders == {"low-1": ("ok", "low-1"), "low-2": ("ok", "low-2")}
+    assert offers == [(2, 1)]
+    assert (stats.calls, stats.items, stats.riders) == (1, 3, 2)
+
+
+def test_a_full_call_or_fill_to_one_takes_no_riders():
+    runner = Runner()
+
+    async def scenario(fill_to: int, names: str):
+        c, offers, _ = riding_coalescer(runner, ["low"], fill_to=fill_to)
+        first = asyncio.ensure_future(c.call("square", item("first")))
+        await asyncio.sleep(0.01)
+        rest = [asyncio.ensure_future(c.call("square", item(name))) for name in names]
+        await asyncio.gather(first, *rest)
+        return offers, c.stats.riders
+
+    assert asyncio.run(scenario(1, "ab")) == ([], 0)  # the default: no riders
+    runner.calls.clear()
+    offers, riders = asyncio.run(scenario(2, "ab"))
+    assert runner.calls == [["first", "low"], ["a", "b"]] and offers == [(1, 1)] and riders == 1
+
+
+def test_riders_never_make_the_call_late_for_an_image_in_it():
+    """At 0.1 s an item, a normal image with 0.25 s left takes one rider (two items fit), not three."""
+    runner = Runner(delay_s=0.01)
+
+    async def scenario():
+        c, offers, _ = riding_coalescer(runner, ["low-1", "low-2", "low-3"], fill_to=4, item_cost_s=lambda: 0.1)
+        await c.call("square", item("normal", deadline_s=0.25))
+        return offers
+
+    assert asyncio.run(scenario()) == [(1, 1)]
+    assert runner.calls == [["normal", "low-1"]]
+
+
+def gate() -> AdmissionGate:
+    """Window 32 (two batches of 16), low window 1, 10 ms an image."""
+    return AdmissionGate("m", max_batch_size=16, concurrent_batches=1, queue_delay_ms=1000,
+                         meter=ThroughputMeter(override_ips=100))
+
+
+async def _low_waiting(g: AdmissionGate, bucket: str, cargo: object) -> tuple:
+    """Reserve a low ticket and wait for its turn in ``bucket``; return whether it was carried and its cargo."""
+    ticket = g.reserve("low", 60)
+    async with ticket.turn(lambda: 60.0, bucket, cargo):
+        return ticket.carried is not None, ticket.cargo
+
+
+def test_the_gate_carries_waiting_low_tickets_of_the_bucket_only_while_the_call_is_its_only_higher_work():
+    async def scenario():
+        g = gate()
+        busy = g.reserve("low", 60)  # takes the low window: the next low tickets wait
+        hold = asyncio.Event()
+
+        async def holding():
+            async with busy.turn(lambda: 60.0, "square", "busy"):
+                await hold.wait()
+        holder = asyncio.create_task(holding())
+        await asyncio.sleep(0)
+        waiting = [asyncio.create_task(_low_waiting(g, bucket, bucket + str(i)))
+                   for i, bucket in enumerate(["square", "landscape", "square", "square"])]
+        await asyncio.sleep(0.01)
+        normal = g.reserve("normal", 60)
+        async with normal.turn(lambda: 60.0, "square"):
+            assert g.carry("square", 2, in_call=0) == []  # a call of no higher-class image carries nobody
+            other = g.reserve("normal", 60)
+            async with other.turn(lambda: 60.0, "landscape"):
+                assert g.carry("square", 2, in_call=1) == []  # another normal image is with the runner too
+            carried = g.carry("square", 2, in_call=1)
+            assert [t.cargo for t in carried] == ["square0", "square2"]  # oldest first, this bucket only
+            assert all(t.carried is not None and not t.queued for t in carried)
+            assert g.dispatched == 4 and g.dispatched_low == 3
+            for ticket in carried:
+                ticket.carried.set_result("answer")
+            done = await asyncio.gather(*waiting[:1], waiting[2])
+        hold.set()
+        await holder
+        waiting[1].cancel()
+        waiting[3].cancel()
+        return done, g
+
+    done, g = asyncio.run(scenario())
+    assert done == [(True, "square0"), (True, "square2")]
+    assert g.dispatched == 0 and g.dispatched_low == 0
+
+
+def test_no_low_ticket_is_carried_while_a_higher_class_waits_for_dispatch():
+    async def scenario():
+        g = AdmissionGate("m", max_batch_size=2, concurrent_batches=1, queue_delay_ms=1000,
+                          meter=ThroughputMeter(override_ips=100))  # window 4, low window 1
+        first = g.reserve("normal", 60)
+        async with first.turn(lambda: 60.0, "square"):
+            low = asyncio.create_task(_low_waiting(g, "square", "low"))
+            await asyncio.sleep(0.01)
+            g.dispatched += 3  # the window is full: the next normal ticket waits for dispatch
+            waiting = asyncio.create_task(_normal_turn(g))
+            await asyncio.sleep(0.01)
+            carried = g.carry("square", 1, in_call=1)
+            g.dispatched -= 3
+        low.cancel()
+        waiting.cancel()
+        return carried
+
+    assert asyncio.run(scenario()) == []
+
+
+async def _normal_turn(g: AdmissionGate) -> None:
+    ticket = g.reserve("normal", 60)
+    async with ticket.turn(lambda: 60.0, "square"):
+        await asyncio.sleep(0)
+
+
+def test_through_the_lane_a_waiting_low_image_rides_with_a_normal_one_and_both_get_their_answers():
+    """A lane on a coalescing endpoint: a low image occupies the low window, a second waits; a normal image's call
+    then carries the waiting one, so the runner sees [normal, low] in one call, and each request gets its answer."""
+    calls: list[list[float]] = []
+
+    async def send(bucket: str, items: list) -> list:
+        calls.append([float(entry.pixels[0, 0, 0]) for entry in items])
+        await asyncio.sleep(0.05)
+        return [SimpleNamespace(expired=False, probs=np.full(3, entry.pixels[0, 0, 0], np.float32), inference_ms=1.0,
+                                batch_size=len(items)) for entry in items]
+
+    coalescer = Coalescer(send, lambda entry: entry.deadline_epoch_s, max_items=16)
+
+    async def call(bucket: str, pixels: np.ndarray, deadline_epoch_s: float):
+        from rampart.lane import RunnerResult
+        return RunnerResult.from_wire(await coalescer.call(bucket, SimpleNamespace(pixels=pixels,
+                                                                                    deadline_epoch_s=deadline_epoch_s)))
+
+    def accept_riders(source, fill_to):
+        coalescer.top_up = lambda bucket, room, in_call: [
+            (SimpleNamespace(pixels=pixels, deadline_epoch_s=deadline), future)
+            for pixels, deadline, future in source(bucket, room, in_call)]
+        coalescer.fill_to = fill_to
+
+    buckets = buckets_for_resolution(32)
+    endpoint = ModelEndpoint("m", "v1", ["a", "b", "c"], buckets, call, accept_riders=accept_riders)
+    lane = ModelLane("primary", endpoint, gate(), None, Share.PRIMARY)
+    lane.seed({"warmup_ms_per_image": 10.0, "compute_batch_size": 2})
+    square = buckets["square"]
+
+    async def request(priority: str, value: int, delay_s: float = 0.0):
+        await asyncio.sleep(delay_s)
+        ticket = lane.reserve(priority, Deadline(10_000))
+        assert not isinstance(ticket, Shed)
+        attempt = await lane.attempt(ticket, (square, np.full((4, 4, 3), value, np.uint8)), Deadline(10_000))
+        return float(attempt.answer.probs[0])
+
+    async def scenario():
+        return await asyncio.gather(request("low", 1), request("low", 2, 0.01), request("normal", 3, 0.02))
+
+    assert asyncio.run(scenario()) == [1.0, 2.0, 3.0]
+    assert calls == [[1.0], [3.0, 2.0]]  # the waiting low image rode with the normal one
+    assert coalescer.stats.riders == 1 and lane.gate.dispatched == 0 and lane.fill_to == 2
