@@ -20,6 +20,7 @@ This module imports no scenario: each scenario (``python -m bench.<name>``, docs
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import signal
@@ -28,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -379,6 +380,65 @@ def run_scenario(prog: str, description: str, run, argv: list[str] | None = None
     exit_on_sigterm()
     args.out.mkdir(parents=True, exist_ok=True)
     return run(args.out, args.quick, prog + (" --quick" if args.quick else ""))
+
+def alternated(arms: tuple[str, ...], rounds: int) -> Iterator[tuple[int, str]]:
+    """``(round, arm)`` for ``rounds`` rounds of every arm, in order A, B, then B, A, ...: drift of a shared host
+    falls on every arm alike."""
+    for r in range(rounds):
+        for arm in (arms if r % 2 == 0 else arms[::-1]):
+            yield r, arm
+
+
+def plot_arm_bars(rows: list[dict], path: Path, setting: str, series: dict[str, list[float]], ylabel: str) -> None:
+    """Grouped bars, one group per row of a same-run A/B (``arm #round``), one bar per entry of ``series`` (its
+    values in the rows' order), titled with ``setting`` and its arms; saved to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['arm']} #{r['round']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(series)
+    for k, (name, values) in enumerate(series.items()):
+        ax.bar([i + k * width for i in range(len(rows))], values, width, label=name)
+    ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(rows))], labels)
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{setting}: {' vs '.join(dict.fromkeys(r['arm'] for r in rows))} (same run)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def write_arms_report(out: Path, name: str, command: str, setting: str, rows: list[dict], medians: dict,
+                      plot: Callable[[list[dict], Path, str], None]) -> int:
+    """Write a same-run A/B's ``<name>.json`` (command, setting, machine, rows, medians per arm) and ``plot`` it to
+    ``<name>.png`` under ``out``; print the medians; 0, the command's exit status."""
+    (out / f"{name}.json").write_text(json.dumps({"command": command, "setting": setting, "machine": machine(),
+                                                  "rows": rows, "medians": medians}, indent=1))
+    plot(rows, out / f"{name}.png", setting)
+    print(json.dumps(medians))
+    return 0
+
+
+def run_setting_arms(prog: str, description: str, run, setting: str, arms: tuple[str, ...], rounds: int,
+                     argv: list[str] | None = None) -> int:
+    """A same-run A/B scenario's command: ``scenario_parser`` plus ``--setting`` (the variable the arms set,
+    default ``setting``), ``--arms`` (comma-separated values, default ``arms``) and ``--rounds`` (default
+    ``rounds``); creates ``--out`` and returns ``run(out, quick, command, setting, arms, rounds)``, where
+    ``command`` is the command line, recorded in the scenario's JSON."""
+    parser = scenario_parser(prog, description)
+    parser.add_argument("--setting", default=setting, help=f"the variable the arms set (default {setting})")
+    parser.add_argument("--arms", default=",".join(arms), help="comma-separated values, one arm each "
+                        f"(default {','.join(arms)})")
+    parser.add_argument("--rounds", type=int, default=rounds, help=f"rounds of every arm (default {rounds})")
+    args = parser.parse_args(argv)
+    exit_on_sigterm()
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = " ".join([prog, *(argv if argv is not None else sys.argv[1:])])
+    return run(args.out, args.quick, command, args.setting, tuple(args.arms.split(",")), args.rounds)
+
 
 class Replica(Server):
     """One ``bentoml serve service:Rampart`` on 127.0.0.1:``port`` with its own BENTOML_HOME under ``run_dir``

@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 from pathlib import Path
 
-from bench.harness import SLO_MS, Replica, ServerCpu, exit_on_sigterm, machine, scenario_parser
+from bench.harness import SLO_MS, Replica, ServerCpu, alternated, plot_arm_bars, run_setting_arms, write_arms_report
 from bench.loadgen import Sample, closed_loop, load_bodies, open_loop, run_sync, summarize
 from bench.process_cpu import server_processes
 
@@ -94,26 +93,10 @@ def measure_arm(arm: str, round_index: int, out: Path, bodies: list[bytes], knee
 
 def plot(rows: list[dict], path: Path, setting: str = SETTING) -> None:
     """Bars per arm and round: C_p, and the primary's and the total's in-time answers per second at 5x."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [f"{r['arm']} #{r['round']}" for r in rows]
-    series = {"C_p (closed loop)": [r["c_p"] for r in rows],
-              "primary at 5x": [r["overload_5x"]["primary_rps"] for r in rows],
-              "total at 5x": [r["overload_5x"]["total_rps"] for r in rows]}
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(series)
-    for k, (name, values) in enumerate(series.items()):
-        ax.bar([i + k * width for i in range(len(rows))], values, width, label=name)
-    ax.set_xticks([i + width for i in range(len(rows))], labels)
-    ax.set_ylabel("answers within 1 s per second")
-    ax.set_title(f"{setting}: {' vs '.join(dict.fromkeys(r['arm'] for r in rows))} (same run)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    plot_arm_bars(rows, path, setting, {"C_p (closed loop)": [r["c_p"] for r in rows],
+                                        "primary at 5x": [r["overload_5x"]["primary_rps"] for r in rows],
+                                        "total at 5x": [r["overload_5x"]["total_rps"] for r in rows]},
+                  "answers within 1 s per second")
 
 
 def run(out: Path, quick: bool, command: str, setting: str = SETTING, arms: tuple[str, ...] = ARMS,
@@ -122,10 +105,9 @@ def run(out: Path, quick: bool, command: str, setting: str = SETTING, arms: tupl
     bodies = load_bodies()
     knee_s, overload_s = (1.0, 2.0) if quick else (KNEE_S, OVERLOAD_S)
     rows = []
-    for r in range(1 if quick else rounds):
-        for arm in (arms if r % 2 == 0 else arms[::-1]):
-            rows.append(measure_arm(arm, r, out, bodies, knee_s, overload_s, setting))
-            print(json.dumps(rows[-1]), flush=True)
+    for r, arm in alternated(arms, 1 if quick else rounds):
+        rows.append(measure_arm(arm, r, out, bodies, knee_s, overload_s, setting))
+        print(json.dumps(rows[-1]), flush=True)
     medians = {}
     for arm in arms:
         mine = [r for r in rows if r["arm"] == arm]
@@ -134,24 +116,11 @@ def run(out: Path, quick: bool, command: str, setting: str = SETTING, arms: tupl
             ("primary_rps_at_5x", [r["overload_5x"]["primary_rps"] for r in mine]),
             ("total_rps_at_5x", [r["overload_5x"]["total_rps"] for r in mine]))}
     name = "placement" if setting == SETTING else f"placement-{setting.lower()}"
-    (out / f"{name}.json").write_text(json.dumps({"command": command, "setting": setting, "machine": machine(),
-                                                  "rows": rows, "medians": medians}, indent=1))
-    plot(rows, out / f"{name}.png", setting)
-    print(json.dumps(medians))
-    return 0
+    return write_arms_report(out, name, command, setting, rows, medians, plot)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = scenario_parser("python -m bench.placement", __doc__.split("\n\n")[0])
-    parser.add_argument("--setting", default=SETTING, help=f"the variable the arms set (default {SETTING})")
-    parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated values, one arm each "
-                        f"(default {','.join(ARMS)})")
-    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds of every arm (default {ROUNDS})")
-    args = parser.parse_args(argv)
-    exit_on_sigterm()
-    args.out.mkdir(parents=True, exist_ok=True)
-    command = " ".join(["python -m bench.placement", *(argv if argv is not None else sys.argv[1:])])
-    return run(args.out, args.quick, command, args.setting, tuple(args.arms.split(",")), args.rounds)
+    return run_setting_arms("python -m bench.placement", __doc__.split("\n\n")[0], run, SETTING, ARMS, ROUNDS, argv)
 
 
 if __name__ == "__main__":
