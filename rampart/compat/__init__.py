@@ -21,6 +21,8 @@ fails on a private import anywhere else):
   parse, dispatch and answer, patching nothing (``lean_batch_routes``; ``runners.common`` installs it).
 - ``bentoml_wire``: BentoML's runner-call wire format built and read with BentoML's own objects,
   patched nowhere (``RunnerWire``, ``runner_address``), under ``rampart.runner_client``.
+- ``forkserver``: CPython's multiprocessing forkserver, which starts the decode workers, made to ignore SIGTERM
+  (``ignore_stop_signals_in_forkserver``; standard library, so checked by behaviour, not by a hash).
 - ``targets``: each patched upstream object with the SHA-256 of its source at the pinned version.
 
 Each patch is idempotent and marks what it replaced. ``apply_all()`` checks the versions

@@ -55,6 +55,7 @@ import weakref
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
+from rampart.compat.forkserver import ignore_stop_signals_in_forkserver
 from rampart.errors import Overloaded
 from rampart.hangup import hung_up
 
@@ -210,6 +211,10 @@ def _serve(sock: socket.socket, nice: int, setup: tuple[Callable, tuple] | None 
         except Exception as exc:  # an unpicklable result or exception
             _send(sock, _JOB, ("error", RuntimeError(f"{type(exc).__name__}: {exc}")))
 
+
+# The forkserver imports this module first (the pool's preload): there, SIGTERM is ignored too, as the workers
+# ignore it, so that a signal to the whole process group leaves the pool whole for the drain (rampart.compat.forkserver).
+ignore_stop_signals_in_forkserver()
 
 _START_LOCK = threading.Lock()
 _LIVE: "weakref.WeakSet[_Process]" = weakref.WeakSet()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import multiprocessing
 import os
 import signal
@@ -386,6 +387,54 @@ def test_a_worker_that_dies_while_idle_is_replaced_without_waiting_for_a_job():
         assert asyncio.run(one.run(time.sleep, 0, budget_s=10, run_limit_s=10)) is None
     finally:
         one.close()
+
+
+#: Run in a child Python (the forkserver is one per process): a pool of two, SIGTERM to its forkserver as a signal
+#: to the whole process group sends it, a second's wait (the idle check runs each ``IDLE_CHECK_S``), then a job.
+_SIGTERM_TO_THE_FORKSERVER = """
+import asyncio, json, multiprocessing.forkserver, os, signal, time
+from rampart.inputs.pool import BoundedPool, IDLE_CHECK_S
+
+async def main():
+    pool = BoundedPool(workers=2, queue=2, processes=True)
+    before = {await pool.run(os.getpid) for _ in range(4)}
+    forkserver = multiprocessing.forkserver._forkserver._forkserver_pid
+    os.kill(forkserver, signal.SIGTERM)
+    time.sleep(2 * IDLE_CHECK_S + 0.5)
+    after = {await pool.run(os.getpid) for _ in range(4)}
+    alive = True
+    try:
+        os.kill(forkserver, 0)
+    except ProcessLookupError:
+        alive = False
+    print(json.dumps({"forkserver": forkserver, "alive": alive, "replaced": pool.replaced,
+                      "same_workers": after <= before}))
+    pool.close()
+
+asyncio.run(main())
+"""
+
+
+def test_a_sigterm_to_the_process_group_leaves_the_forkserver_and_its_idle_workers_alone():
+    """``kill -- -PGID`` on ``bentoml serve`` reaches the decode pool's forkserver too. It used to die, and the pool
+    then read every idle worker's status as 255 ("exited with code 255 while idle") and replaced them all in the
+    middle of the drain. It now ignores SIGTERM as the workers do (``rampart.compat.forkserver``): it lives on, no
+    worker is replaced, the jobs run on the same workers; and it still ends with its parent."""
+    done = subprocess.run([sys.executable, "-c", _SIGTERM_TO_THE_FORKSERVER], capture_output=True, text=True,
+                          timeout=60, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["alive"] and report["replaced"] == 0 and report["same_workers"], (report, done.stderr)
+    assert "while idle" not in done.stderr, done.stderr
+
+    def forkserver_gone() -> bool:
+        try:
+            os.kill(report["forkserver"], 0)
+        except ProcessLookupError:
+            return True
+        with open(f"/proc/{report['forkserver']}/stat") as stat:  # a zombie until its parent's parent reaps it
+            return stat.read().split(") ")[1].startswith("Z")
+    _wait_for(forkserver_gone, timeout_s=10)
 
 
 def test_an_upload_whose_decoder_is_killed_from_outside_is_decoded_again_and_answered():
