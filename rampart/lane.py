@@ -29,7 +29,7 @@ import numpy as np
 
 from rampart.telemetry import metrics
 from rampart.hangup import hung_up, set_stage
-from rampart.overload.admission import AdmissionGate, Shed, Ticket
+from rampart.overload.admission import LOW, AdmissionGate, Shed, Ticket, priority_rank
 from rampart.overload.breaker import STATE_VALUES, CircuitBreaker
 from rampart.inputs.buckets import Bucket
 from rampart.overload.deadline import Deadline, Share, run_within
@@ -179,7 +179,7 @@ class ModelLane:
 
     def _riders(self, bucket_name: str, room: int, in_call: int) -> list[tuple[np.ndarray, float, asyncio.Future]]:
         """The ``RiderSource`` of this lane's endpoint: waiting low tickets the gate lets ride (``AdmissionGate.carry``)."""
-        return [(*ticket.cargo, ticket.carried) for ticket in self.gate.carry(bucket_name, room, in_call)]
+        return [(*cargo, ticket.carried) for ticket, cargo in self.gate.carry(bucket_name, room, in_call)]
 
     def _publish_queue(self, gate: AdmissionGate) -> None:
         """Set the queue-depth gauge of each bucket whose count changed since the last call: a change
@@ -198,7 +198,14 @@ class ModelLane:
         the breaker refuses calls (``circuit_open``: open, or half-open with every
         probe out), the gate sheds (``AdmissionGate.refusal``).
         """
-        return self._refusal(priority, deadline.remaining_s(self.share))
+        return self._refusal(priority, deadline.remaining_s(self.share_of(priority)))
+
+    def share_of(self, priority: str | bool | int) -> Share:
+        """The slice of a request's deadline this lane spends on one of class ``priority``: the lane's ``share``,
+        but the whole deadline (``Share.ALL``) for the low class, which never takes the fallback, so keeps no
+        reserve for it (with the reserve, a low request with a deadline under ``fallback_reserve_ms`` was
+        refused as if the primary had no room, on an idle server)."""
+        return Share.ALL if priority_rank(priority) == LOW else self.share
 
     def _refusal(self, priority: str, budget_s: float) -> Shed | None:
         return self._lane_refusal(budget_s) or self.gate.refusal(priority, budget_s)
@@ -225,7 +232,7 @@ class ModelLane:
         between, and a request predicted to finish just in time passed the check and was
         then shed by the gate, a ``Shed`` that escaped as a 500 at 5x overload.)
         """
-        budget_s = deadline.remaining_s(self.share)
+        budget_s = deadline.remaining_s(self.share_of(priority))
         shed = self._lane_refusal(budget_s)
         if shed is not None:
             return self._refused(shed)
@@ -255,14 +262,15 @@ class ModelLane:
         """Call the model with ``ticket`` on ``inputs`` (bucket, uint8 H×W×3 pixels) within the lane's share of
         ``deadline``; the runner gets the share's end as ``deadline_epoch_s``. Never raises: failures are ``Attempt``s."""
         bucket, pixels = inputs
+        share = self.share_of(ticket.rank)
         dispatched = False
         progress_at_dispatch = self.responses
 
         async def admitted_call() -> RunnerResult:
             nonlocal dispatched, progress_at_dispatch
             set_stage("queue")
-            deadline_epoch_s = deadline.epoch_s(self.share)
-            async with ticket.turn(lambda: deadline.remaining_s(self.share), bucket.name, (pixels, deadline_epoch_s)):
+            deadline_epoch_s = deadline.epoch_s(share)
+            async with ticket.turn(lambda: deadline.remaining_s(share), bucket.name, (pixels, deadline_epoch_s)):
                 dispatched, progress_at_dispatch = True, self.responses
                 if self.calls_out == 0:  # no call of this worker out: the runner's silence so far was not a stall
                     self.busy_since = time.monotonic()
@@ -294,7 +302,7 @@ class ModelLane:
             return Attempt(None, f"{self.role}_timeout", shed=not dispatched)
 
         try:
-            answer = await run_within(admitted_call(), deadline.remaining_s(self.share))
+            answer = await run_within(admitted_call(), deadline.remaining_s(share))
         except Shed as shed:  # evicted while queued, or predicted late at its turn
             self._record(None)
             return self._refused(shed)

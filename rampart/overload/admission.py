@@ -588,11 +588,23 @@ class AdmissionGate:
         """
         return min(max(1.0, math.ceil(self.drain_s())), self.retry_after_cap_s)
 
+    #: Entries of the dispatch heap beyond twice the queue (plus this many) are mostly of tickets that left it
+    #: (cancelled, evicted, dispatched past their turn): ``_forget`` then drops them all.
+    HEAP_SLACK = 64
+
     def _forget(self, ticket: Ticket) -> None:
+        """Take ``ticket`` out of the queue. Its cargo goes with it (a request that hung up must not keep its pixels
+        alive in the heap), and the heap is rebuilt without such tickets once they outnumber the queue: an entry
+        leaves the heap only when it reaches the top, and a low ticket waiting there can hold the rest for up to
+        ``max_deadline_ms``."""
         del self._pending[ticket.seq]
+        ticket.cargo = None
         self.queued -= 1
         self.queued_by_rank[ticket.rank] -= 1
         self.queued_by_bucket[ticket.bucket] -= 1
+        if len(self._heap) > 2 * self.queued + self.HEAP_SLACK:
+            self._heap = [entry for entry in self._heap if entry[2].queued]
+            heapq.heapify(self._heap)
         self.on_change(self)
 
     def _move(self, ticket: Ticket, bucket: str) -> None:
@@ -626,9 +638,10 @@ class AdmissionGate:
                 self._take(ticket)
                 ticket.future.set_result(None)
 
-    def carry(self, bucket: str, room: int, in_call: int) -> list[Ticket]:
+    def carry(self, bucket: str, room: int, in_call: int) -> list[tuple[Ticket, object]]:
         """Dispatch up to ``room`` waiting low tickets of ``bucket`` into a call being formed with ``in_call`` images
-        of a higher class, and return them, oldest first; each gets ``carried``, a new future for its result.
+        of a higher class, and return them with their cargo, oldest first; each gets ``carried``, a new future for
+        its result (and leaves its cargo with the caller: a dispatched ticket keeps none).
 
         Low work rides only where the model had no other work of a higher class: when this gate has no image of
         a higher class dispatched but the ``in_call`` images (as this worker sees the runner), no ticket of a
@@ -641,17 +654,18 @@ class AdmissionGate:
         higher = self.dispatched - self.dispatched_low
         if room <= 0 or not self.queued_by_rank[LOW] or not 1 <= higher <= in_call or self._heap_has_waiters(NORMAL):
             return []
-        riders: list[Ticket] = []
+        riders: list[tuple[Ticket, object]] = []
         for rank, _, ticket in sorted(self._heap):
             if len(riders) >= room or self.dispatched >= self.window:
                 break
             if (rank == LOW and ticket.bucket == bucket and ticket.cargo is not None and ticket.queued
                     and ticket.future is not None and not ticket.future.done()):
+                cargo = ticket.cargo
                 self._take(ticket)
                 ticket.carried = asyncio.get_running_loop().create_future()
                 ticket.carried.add_done_callback(_retrieved)  # a rider whose request gave up never reads it
-                riders.append(ticket)
-        for ticket in riders:  # left in the heap, dispatched: _release drops them from it as it passes
+                riders.append((ticket, cargo))
+        for ticket, _ in riders:  # left in the heap, dispatched: _release or _forget drops them from it
             ticket.future.set_result(None)
         return riders
 

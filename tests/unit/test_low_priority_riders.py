@@ -105,7 +105,8 @@ def gate() -> AdmissionGate:
 
 
 async def _low_waiting(g: AdmissionGate, bucket: str, cargo: object) -> tuple:
-    """Reserve a low ticket and wait for its turn in ``bucket``; return whether it was carried and its cargo."""
+    """Reserve a low ticket and wait for its turn in ``bucket`` with ``cargo``; return whether it was carried and
+    the cargo it still holds (none, once dispatched)."""
     ticket = g.reserve("low", 60)
     async with ticket.turn(lambda: 60.0, bucket, cargo):
         return ticket.carried is not None, ticket.cargo
@@ -132,10 +133,10 @@ def test_the_gate_carries_waiting_low_tickets_of_the_bucket_only_while_the_call_
             async with other.turn(lambda: 60.0, "landscape"):
                 assert g.carry("square", 2, in_call=1) == []  # another normal image is with the runner too
             carried = g.carry("square", 2, in_call=1)
-            assert [t.cargo for t in carried] == ["square0", "square2"]  # oldest first, this bucket only
-            assert all(t.carried is not None and not t.queued for t in carried)
+            assert [cargo for _, cargo in carried] == ["square0", "square2"]  # oldest first, this bucket only
+            assert all(t.carried is not None and not t.queued and t.cargo is None for t, _ in carried)
             assert g.dispatched == 4 and g.dispatched_low == 3
-            for ticket in carried:
+            for ticket, _ in carried:
                 ticket.carried.set_result("answer")
             done = await asyncio.gather(*waiting[:1], waiting[2])
         hold.set()
@@ -145,7 +146,7 @@ def test_the_gate_carries_waiting_low_tickets_of_the_bucket_only_while_the_call_
         return done, g
 
     done, g = asyncio.run(scenario())
-    assert done == [(True, "square0"), (True, "square2")]
+    assert done == [(True, None), (True, None)]
     assert g.dispatched == 0 and g.dispatched_low == 0
 
 
@@ -218,3 +219,40 @@ def test_through_the_lane_a_waiting_low_image_rides_with_a_normal_one_and_both_g
     assert asyncio.run(scenario()) == [1.0, 2.0, 3.0]
     assert calls == [[1.0], [3.0, 2.0]]  # the waiting low image rode with the normal one
     assert coalescer.stats.riders == 1 and lane.gate.dispatched == 0 and lane.fill_to == 2
+
+
+class Pixels:
+    """A stand-in for a decoded image a ticket carries (weakly referable, to see whether anything still holds it)."""
+
+
+def test_a_ticket_that_leaves_the_queue_keeps_no_cargo_and_the_heap_drops_such_tickets():
+    """A low ticket waiting at the top of the heap while the low window is taken holds back every entry behind it;
+    requests that hung up behind it must not keep their pixels alive, nor grow the heap without bound."""
+    import gc
+    import weakref
+
+    async def scenario():
+        g = gate()
+        g.dispatched = g.dispatched_low = 1  # a low image is with the runner: the next low tickets wait
+        head = asyncio.create_task(_low_waiting(g, "portrait", ("head", 0.0)))
+        await asyncio.sleep(0)
+        refs = []
+        for _ in range(500):
+            pixels = Pixels()
+            refs.append(weakref.ref(pixels))
+            waiting = asyncio.create_task(_low_waiting(g, "square", (pixels, 0.0)))
+            del pixels
+            await asyncio.sleep(0)
+            waiting.cancel()  # the client hung up
+            await asyncio.gather(waiting, return_exceptions=True)
+        gc.collect()
+        # The last request's own frames stay alive a little longer (asyncio keeps its CancelledError's traceback);
+        # the gate must hold none of the others.
+        alive, heap = sum(ref() is not None for ref in refs[:-1]), len(g._heap)
+        head.cancel()
+        await asyncio.gather(head, return_exceptions=True)
+        return alive, heap, g
+
+    alive, heap, g = asyncio.run(scenario())
+    assert alive == 0
+    assert heap <= 2 * 1 + AdmissionGate.HEAP_SLACK + 1  # the head ticket, and at most the slack of stale entries
