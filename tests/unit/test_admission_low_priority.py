@@ -154,3 +154,24 @@ def test_open_inference_protocol_priority_3_is_low_and_4_is_refused():
     with pytest.raises(errors.InvalidParameter):
         oip._priority(4)
     assert oip.model_config(Settings(), "v1")["dynamic_batching"]["priority_levels"] == 3
+
+
+def test_a_low_request_spends_its_whole_deadline_on_the_primary_keeping_no_fallback_reserve():
+    """A low request never takes the fallback, so the fallback's reserve is not kept from it: with a 200 ms
+    deadline (under the 250 ms reserve) on an idle server it is answered by the primary, not refused as if the
+    primary had no room; a normal request with the same deadline still keeps the reserve (the fallback answers)."""
+    settings = Settings()
+    reserve_ms = settings.deadlines.fallback_reserve_ms
+    primary, fallback = StandIn(1), StandIn(2)
+    pipeline = make_pipeline(primary, fallback)
+    data = encode(photo("rocket"), "JPEG")
+
+    def deadline(ms: float) -> Deadline:
+        return Deadline(ms, margin_ms=settings.deadlines.answer_margin_ms, fallback_reserve_ms=reserve_ms)
+
+    assert 200 < reserve_ms
+    low = asyncio.run(pipeline.classify(data, 5, deadline(200), "low"))
+    assert low["model"]["name"] == "primary" and low["route"] == "low_priority" and fallback.calls == 0
+    assert pipeline.primary.share_of("low").value == "all" and pipeline.primary.share_of("normal").value == "primary"
+    normal = asyncio.run(pipeline.classify(data, 5, deadline(200), "normal"))
+    assert normal["model"]["name"] == "fallback" and primary.calls == 1
