@@ -234,7 +234,8 @@ class Overloaded(RampartError):
 
     ``cause`` (in the body as ``error.cause``) says why: ``capacity`` (no model has room) or
     ``deadline`` (the request's deadline, though above ``min_deadline_ms``, was used up before
-    work on it could start: by waiting to be read or by the event loop's lag). A client counts
+    work on it could start: by waiting to be read or by the event loop's lag; or, for a low-priority
+    request, which has no fallback, before the primary answered). A client counts
     only ``capacity`` as the server's overload (``rampart_client.backoff``). Raised by the
     pipeline, the decode pool and the in-flight bound alike; the SDK raises its own
     ``rampart_client.Overloaded`` (``retry_after``, ``cause``) for this answer.

@@ -430,6 +430,10 @@ class Pipeline:
             cached = self.cache.get(prepared.key)
             if cached is not None:
                 return self._body("cached_result", start, decode_ms, prepared.warnings, cached, top_k)
+            if first.reason == f"{self.primary.role}_timeout":  # the deadline ran out, not the room
+                raise Overloaded(f"the primary did not answer within the deadline ({deadline.share_ms():.0f} ms after "
+                                 "margins), and low-priority work never goes to the fallback; a longer X-Deadline-Ms "
+                                 "may be answered", self.retry_after_s(priority), cause="deadline")
             raise self._at_capacity(priority)
         first = await self._attempt(self.order[0], admission, prepared, deadline, priority)
         if self.cascade:

@@ -175,3 +175,19 @@ def test_a_low_request_spends_its_whole_deadline_on_the_primary_keeping_no_fallb
     assert pipeline.primary.share_of("low").value == "all" and pipeline.primary.share_of("normal").value == "primary"
     normal = asyncio.run(pipeline.classify(data, 5, deadline(200), "normal"))
     assert normal["model"]["name"] == "fallback" and primary.calls == 1
+
+
+def test_a_low_request_whose_deadline_runs_out_at_the_primary_is_told_so_not_that_the_server_is_full():
+    """An idle primary slower than a low request's deadline: 429 with ``cause`` ``deadline`` and a message that says
+    a longer deadline may be answered (a retry with the same deadline never can), not "no idle capacity"."""
+    primary, fallback = StandIn(1), StandIn(2)
+    primary.delay_s = 0.3
+    pipeline = make_pipeline(primary, fallback)
+    with pytest.raises(errors.Overloaded) as error:
+        asyncio.run(pipeline.classify(encode(photo("rocket"), "JPEG"), 5, Deadline(100), "low"))
+    assert error.value.cause == "deadline" and "longer X-Deadline-Ms" in str(error.value), error.value
+    assert fallback.calls == 0
+    primary.mode = "error"
+    with pytest.raises(errors.Overloaded) as error:
+        asyncio.run(pipeline.classify(encode(photo("coffee"), "JPEG"), 5, Deadline(10_000), "low"))
+    assert error.value.cause == "capacity"  # a failing primary is not the deadline's fault
