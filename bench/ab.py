@@ -46,7 +46,7 @@ def runner_calls(service) -> dict:
 def ab_runs(out: Path, setting: str, arms: list[str], rounds: int, body_name: str, connections: int,
             round_s: float, warm_s: float, api_workers: int, extra_env: dict[str, str] | None = None) -> dict:
     """Every round of every arm (module doc) and the per-arm medians; see ``main`` for the arguments."""
-    from bench.harness import Service, private_bentoml_home
+    from bench.harness import Service, alternated, private_bentoml_home
 
     directory = out / "near-free"
     onnx_path = near_free_onnx(directory / "near_free.onnx")
@@ -54,25 +54,24 @@ def ab_runs(out: Path, setting: str, arms: list[str], rounds: int, body_name: st
     store, tag = directory / "store" / "models", f"{NEAR_FREE_NAME}:latest"
     body, _ = BODIES[body_name]()
     runs: list[dict] = []
-    for index in range(rounds):
-        for arm in (arms if index % 2 == 0 else arms[::-1]):  # A, B, then B, A: neither arm always starts
-            label = f"ab-{setting.lower()}-{arm}-{index}"
-            env = {**private_bentoml_home(out / f"{label}-home", store), "RAMPART_PRIMARY_MODEL": tag,
-                   "RAMPART_FALLBACK_MODEL": tag, "RAMPART_API_WORKERS": str(api_workers),
-                   "RAMPART_CPU_PINNING": "off", **(extra_env or {}), setting: arm}
-            service = Service("rampart", out, env=env, label=label)
-            try:
-                service.wait_ready([body])
-                run_sync(closed_loop_round(service.url, [body], connections, warm_s, DEADLINE_MS))
-                run = measure_round(service, body, connections, round_s, DEADLINE_MS, "supervisor")
-                run["runner_calls"] = runner_calls(service)
-            finally:
-                service.stop()
-            runs.append({"arm": arm, "round": index, **run})
-            print(json.dumps({"arm": arm, "round": index, "rps": run["throughput_rps"],
-                              "cpu_us": run["cpu_us_per_request"],
-                              "items_per_call": {role: calls.get("items_per_call")
-                                                 for role, calls in run["runner_calls"].items()}}), flush=True)
+    for index, arm in alternated(arms, rounds):  # A, B, then B, A: neither arm always starts
+        label = f"ab-{setting.lower()}-{arm}-{index}"
+        env = {**private_bentoml_home(out / f"{label}-home", store), "RAMPART_PRIMARY_MODEL": tag,
+               "RAMPART_FALLBACK_MODEL": tag, "RAMPART_API_WORKERS": str(api_workers),
+               "RAMPART_CPU_PINNING": "off", **(extra_env or {}), setting: arm}
+        service = Service("rampart", out, env=env, label=label)
+        try:
+            service.wait_ready([body])
+            run_sync(closed_loop_round(service.url, [body], connections, warm_s, DEADLINE_MS))
+            run = measure_round(service, body, connections, round_s, DEADLINE_MS, "supervisor")
+            run["runner_calls"] = runner_calls(service)
+        finally:
+            service.stop()
+        runs.append({"arm": arm, "round": index, **run})
+        print(json.dumps({"arm": arm, "round": index, "rps": run["throughput_rps"],
+                          "cpu_us": run["cpu_us_per_request"],
+                          "items_per_call": {role: calls.get("items_per_call")
+                                             for role, calls in run["runner_calls"].items()}}), flush=True)
     summary = {}
     for arm in arms:
         mine = [run for run in runs if run["arm"] == arm]

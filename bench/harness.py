@@ -29,7 +29,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -381,7 +381,8 @@ def run_scenario(prog: str, description: str, run, argv: list[str] | None = None
     args.out.mkdir(parents=True, exist_ok=True)
     return run(args.out, args.quick, prog + (" --quick" if args.quick else ""))
 
-def alternated(arms: tuple[str, ...], rounds: int) -> Iterator[tuple[int, str]]:
+
+def alternated(arms: Sequence[str], rounds: int) -> Iterator[tuple[int, str]]:
     """``(round, arm)`` for ``rounds`` rounds of every arm, in order A, B, then B, A, ...: drift of a shared host
     falls on every arm alike."""
     for r in range(rounds):

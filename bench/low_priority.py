@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-from bench.harness import Replica, alternated, plot_arm_bars, run_setting_arms, write_arms_report
+from bench.harness import Replica, alternated, plot_arm_bars, ratio, run_setting_arms, write_arms_report
 from bench.loadgen import Sample, closed_loop, load_bodies, open_loop, run_sync, summarize
 
 SETTING, ARMS = "RAMPART_RUNNER_LOW_PRIORITY_RIDERS", ("true", "false")
@@ -84,11 +84,6 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def _ratio(numerator: float | None, denominator: float | None) -> float | None:
-    """``numerator / denominator`` to two places, None when either is missing (a phase without a sample) or 0."""
-    return round(numerator / denominator, 2) if numerator is not None and denominator else None
-
-
 def beside_normal(base_url: str, bodies: list[bytes], phase_rounds: int = PHASE_ROUNDS, phase_s: float = PHASE_S,
                   capacity_s: float = CAPACITY_S, capacity_round_s: float = CAPACITY_ROUND_S) -> tuple[dict, dict]:
     """The scenario (module doc) on the server at ``base_url``: ``(report, samples)``, ``samples`` the normal
@@ -108,7 +103,7 @@ def beside_normal(base_url: str, bodies: list[bytes], phase_rounds: int = PHASE_
         normal, low_samples = run_sync(side_by_side(url, bodies, max(rate, 0.5), phase_s, seed=i, low=True))
         low_in_phase += in_time_by_primary(low_samples, phase_s)
         low_with_drain += in_time_by_primary(low_samples)
-        round_ratios.append(_ratio(summarize(normal, phase_s)["p99_ms"], summarize(round_alone, phase_s)["p99_ms"]))
+        round_ratios.append(ratio(summarize(normal, phase_s)["p99_ms"], summarize(round_alone, phase_s)["p99_ms"]))
         alone += round_alone
         beside += normal
         low += low_samples
@@ -126,7 +121,7 @@ def beside_normal(base_url: str, bodies: list[bytes], phase_rounds: int = PHASE_
               "normal_by_primary_alone": round(in_time_by_primary(alone) / max(len(alone), 1), 2),
               "normal_by_primary_beside": round(in_time_by_primary(beside) / max(len(beside), 1), 2),
               "p99_alone_ms": p99_alone, "p99_beside_ms": p99_beside,
-              "p99_ratio": _ratio(p99_beside, p99_alone), "p99_ratio_by_round": round_ratios,
+              "p99_ratio": ratio(p99_beside, p99_alone), "p99_ratio_by_round": round_ratios,
               "p99_ratio_median_of_rounds": _median(round_ratios),
               "low_riders": None if riders_before is None else riders_after - riders_before,
               "normal_alone": summarize(alone, seconds), "normal_beside": summarize(beside, seconds),

@@ -279,8 +279,8 @@ class RunnerSettings(_Group):
                              "meanwhile goes in the next ([serving-cost.md](serving-cost.md)); false: one call per image")
     calls_in_flight: int = Field(1, ge=1, description="with coalescing, calls out per bucket at most")
     low_priority_riders: bool = Field(True, description="with coalescing, waiting `X-Priority: low` images ride in a "
-                                      "call that a normal or high image forms while nothing else of the API worker "
-                                      "is in the runner, up to the runner's compute batch size "
+                                      "call that a normal or high image forms while no other normal or high image of "
+                                      "the API worker is in the runner, up to the runner's compute batch size "
                                       "([planning.md](planning.md#the-low-priority-class-x-priority-low)); false: "
                                       "low images go only one at a time, into an idle runner")
     transport: Literal["lean", "proxy"] = Field("lean", description="how the entry service sends runner calls: "

@@ -338,7 +338,7 @@ class Ticket:
                 await self.future
             except BaseException:
                 if self.future.done() and not self.future.cancelled() and self.future.exception() is None:
-                    gate._release(self.rank)  # dispatched in the same instant the caller gave up: hand the slot on
+                    gate._release(self)  # dispatched in the same instant the caller gave up: hand the slot on
                 else:
                     self.cancel()
                 raise
@@ -349,12 +349,17 @@ class Ticket:
                 raise Shed("predicted_late", f"{gate.name}: {gate.dispatched} images ahead no longer fit the deadline")
             yield
         finally:
-            gate._release(self.rank)
+            gate._release(self)
 
     @property
     def queued(self) -> bool:
         """True until the ticket is dispatched, cancelled or evicted."""
         return self.seq in self.gate._pending
+
+    @property
+    def waiting(self) -> bool:
+        """True while the ticket waits in the gate's dispatch heap for its turn (queued, its turn not given)."""
+        return self.queued and self.future is not None and not self.future.done()
 
     def cancel(self) -> None:
         """Give the place back if it was never dispatched (no-op otherwise)."""
@@ -624,13 +629,13 @@ class AdmissionGate:
         self.dispatched_low += ticket.rank == LOW
         self.meter.busy(self.dispatched > 0)
 
-    def _release(self, rank: int) -> None:
+    def _release(self, released: Ticket) -> None:
         self.dispatched -= 1
-        self.dispatched_low -= rank == LOW
+        self.dispatched_low -= released.rank == LOW
         self.meter.busy(self.dispatched > 0)
         while self._heap and self.dispatched < self.window:
             rank, _, ticket = self._heap[0]
-            waiting = ticket.queued and ticket.future is not None and not ticket.future.done()
+            waiting = ticket.waiting
             if waiting and self.dispatched >= self.window_for(rank):
                 break  # the rest of the heap is low priority too: it waits for the batch share to free up
             heapq.heappop(self._heap)
@@ -658,8 +663,7 @@ class AdmissionGate:
         for rank, _, ticket in sorted(self._heap):
             if len(riders) >= room or self.dispatched >= self.window:
                 break
-            if (rank == LOW and ticket.bucket == bucket and ticket.cargo is not None and ticket.queued
-                    and ticket.future is not None and not ticket.future.done()):
+            if rank == LOW and ticket.bucket == bucket and ticket.cargo is not None and ticket.waiting:
                 cargo = ticket.cargo
                 self._take(ticket)
                 ticket.carried = asyncio.get_running_loop().create_future()
@@ -671,7 +675,7 @@ class AdmissionGate:
 
     def _heap_has_waiters(self, rank: int) -> bool:
         """Whether a ticket of class ``rank`` or higher waits for dispatch (a lower one never holds it back)."""
-        return any(t.queued and t.future is not None and not t.future.done() for r, _, t in self._heap if r <= rank)
+        return any(t.waiting for r, _, t in self._heap if r <= rank)
 
     def _newest_below(self, rank: int) -> Ticket | None:
         """The ticket a full gate evicts for an arrival of class ``rank``: the newest queued one of the lowest
