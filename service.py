@@ -122,9 +122,9 @@ def model_endpoint(tag: str, runner, max_items: int = 1,
         return RunnerResult.from_wire(result)
 
     def accept_riders(source: RiderSource, fill_to: Callable[[], int]) -> None:
-        def top_up(bucket_name: str, room: int, in_call: int) -> list:
+        def top_up(bucket_name: str, room: int, in_call: int, done_by: float) -> list:
             return [(RunnerItem(pixels=pixels, deadline_epoch_s=deadline_epoch_s), future)
-                    for pixels, deadline_epoch_s, future in source(bucket_name, room, in_call)]
+                    for pixels, deadline_epoch_s, future in source(bucket_name, room, in_call, done_by)]
         coalescer.top_up, coalescer.fill_to = top_up, fill_to
 
     return ModelEndpoint(

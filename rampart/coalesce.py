@@ -27,9 +27,10 @@ What each caller keeps:
 - at most ``max_items`` per call (the runner's ``max_batch_size``).
 
 Riders: a call formed with fewer than ``fill_to()`` items may be topped up to it by ``top_up(bucket, room,
-in_call)``, which returns items already taken elsewhere, each with the future of its result (the low priority
-class: ``rampart.overload.admission.AdmissionGate.carry`` says when). They go last in the call, only as many as
-fit before the earliest deadline in it, and are counted in ``CoalescerStats.riders``.
+in_call, done_by)``, which returns items already taken elsewhere, each with the future of its result (the low
+priority class: ``rampart.overload.admission.AdmissionGate.carry`` says when). They go last in the call, only as
+many as fit before the earliest deadline in it, and only riders whose own deadline is after ``done_by`` (when the
+call, topped up to ``room`` more, is predicted to be computed), and are counted in ``CoalescerStats.riders``.
 
 Plain asyncio, no BentoML: ``send(bucket, items) -> results`` is the runner call.
 """
@@ -87,9 +88,11 @@ class Coalescer(Generic[Item, Result]):
     (module doc). Raises ``ValueError`` for bounds below 1.
     """
 
-    #: ``top_up(bucket, room, in_call) -> [(item, future)]``: at most ``room`` items to carry in a call being
-    #: formed with ``in_call`` items, each with the future its result is set on; None: calls carry no riders.
-    top_up: Callable[[str, int, int], list[tuple[Item, asyncio.Future]]] | None = None
+    #: ``top_up(bucket, room, in_call, done_by) -> [(item, future)]``: at most ``room`` items to carry in a call
+    #: being formed with ``in_call`` items, each with the future its result is set on, and each with a deadline
+    #: after ``done_by`` (``time.time()`` s: when the call with ``room`` more is predicted done, at ``item_cost_s``;
+    #: now while that is unmeasured); None: calls carry no riders.
+    top_up: Callable[[str, int, int, float], list[tuple[Item, asyncio.Future]]] | None = None
     #: The number of items a call is topped up to (the runner's compute batch size).
     fill_to: Callable[[], int] = staticmethod(lambda: 1)
 
@@ -157,7 +160,7 @@ class Coalescer(Generic[Item, Result]):
         if cost_s > 0:  # riders only where they keep everyone in the call in time
             room = min(room, int((earliest - now) / cost_s) - len(batch))
         if room > 0 and self.top_up is not None:
-            riders = self.top_up(bucket, room, len(batch))
+            riders = self.top_up(bucket, room, len(batch), now + (len(batch) + room) * cost_s)
             batch.extend(riders)
             self.stats.riders += len(riders)
         state.busy += 1

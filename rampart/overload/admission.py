@@ -643,10 +643,12 @@ class AdmissionGate:
                 self._take(ticket)
                 ticket.future.set_result(None)
 
-    def carry(self, bucket: str, room: int, in_call: int) -> list[tuple[Ticket, object]]:
+    def carry(self, bucket: str, room: int, in_call: int,
+              boards: Callable[[object], bool] = lambda cargo: True) -> list[tuple[Ticket, object]]:
         """Dispatch up to ``room`` waiting low tickets of ``bucket`` into a call being formed with ``in_call`` images
         of a higher class, and return them with their cargo, oldest first; each gets ``carried``, a new future for
-        its result (and leaves its cargo with the caller: a dispatched ticket keeps none).
+        its result (and leaves its cargo with the caller: a dispatched ticket keeps none). A ticket whose cargo
+        ``boards`` refuses (the caller's test: would it be answered in time in this call?) stays waiting.
 
         Low work rides only where the model had no other work of a higher class: when this gate has no image of
         a higher class dispatched but the ``in_call`` images (as this worker sees the runner), no ticket of a
@@ -663,7 +665,8 @@ class AdmissionGate:
         for rank, _, ticket in sorted(self._heap):
             if len(riders) >= room or self.dispatched >= self.window:
                 break
-            if rank == LOW and ticket.bucket == bucket and ticket.cargo is not None and ticket.waiting:
+            if (rank == LOW and ticket.bucket == bucket and ticket.cargo is not None and ticket.waiting
+                    and boards(ticket.cargo)):
                 cargo = ticket.cargo
                 self._take(ticket)
                 ticket.carried = asyncio.get_running_loop().create_future()

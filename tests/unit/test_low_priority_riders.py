@@ -40,8 +40,8 @@ def riding_coalescer(runner: Runner, riders: list[str], fill_to: int, item_cost_
     offers: list[tuple[int, int]] = []
     futures: dict[str, asyncio.Future] = {}
 
-    def top_up(bucket: str, room: int, in_call: int) -> list:
-        offers.append((room, in_call))
+    def top_up(bucket: str, room: int, in_call: int, done_by: float) -> list:
+        offers.append((room, in_call, round(done_by - time.time(), 1)))
         taken, riders[:] = riders[:room], riders[room:]
         out = []
         for name in taken:
@@ -64,7 +64,7 @@ def test_a_call_is_topped_up_to_fill_to_with_riders_that_go_last_and_get_their_o
     answer, offers, riders, stats = asyncio.run(scenario())
     assert runner.calls == [["normal", "low-1", "low-2"]]
     assert answer == ("ok", "normal") and riders == {"low-1": ("ok", "low-1"), "low-2": ("ok", "low-2")}
-    assert offers == [(2, 1)]
+    assert offers == [(2, 1, 0.0)]
     assert (stats.calls, stats.items, stats.riders) == (1, 3, 2)
 
 
@@ -82,7 +82,7 @@ def test_a_full_call_or_fill_to_one_takes_no_riders():
     assert asyncio.run(scenario(1, "ab")) == ([], 0)  # the default: no riders
     runner.calls.clear()
     offers, riders = asyncio.run(scenario(2, "ab"))
-    assert runner.calls == [["first", "low"], ["a", "b"]] and offers == [(1, 1)] and riders == 1
+    assert runner.calls == [["first", "low"], ["a", "b"]] and offers == [(1, 1, 0.0)] and riders == 1
 
 
 def test_riders_never_make_the_call_late_for_an_image_in_it():
@@ -94,7 +94,7 @@ def test_riders_never_make_the_call_late_for_an_image_in_it():
         await c.call("square", item("normal", deadline_s=0.25))
         return offers
 
-    assert asyncio.run(scenario()) == [(1, 1)]
+    assert asyncio.run(scenario()) == [(1, 1, 0.2)]  # done by: two items at 0.1 s
     assert runner.calls == [["normal", "low-1"]]
 
 
@@ -176,9 +176,10 @@ async def _normal_turn(g: AdmissionGate) -> None:
         await asyncio.sleep(0)
 
 
-def test_through_the_lane_a_waiting_low_image_rides_with_a_normal_one_and_both_get_their_answers():
-    """A lane on a coalescing endpoint: a low image occupies the low window, a second waits; a normal image's call
-    then carries the waiting one, so the runner sees [normal, low] in one call, and each request gets its answer."""
+def run_through_lane(second_low_deadline_ms: float, item_cost_s: float | None = None):
+    """A lane on a coalescing endpoint: a low image occupies the low window, a second (``second_low_deadline_ms``)
+    waits; a normal image (10 s deadline) then forms a call that may carry it. Returns each request's answer,
+    the runner's calls (each image's value, in order), the coalescer and the lane."""
     calls: list[list[float]] = []
 
     async def send(bucket: str, items: list) -> list:
@@ -187,7 +188,7 @@ def test_through_the_lane_a_waiting_low_image_rides_with_a_normal_one_and_both_g
         return [SimpleNamespace(expired=False, probs=np.full(3, entry.pixels[0, 0, 0], np.float32), inference_ms=1.0,
                                 batch_size=len(items)) for entry in items]
 
-    coalescer = Coalescer(send, lambda entry: entry.deadline_epoch_s, max_items=16)
+    coalescer = Coalescer(send, lambda entry: entry.deadline_epoch_s, max_items=16, item_cost_s=lambda: item_cost_s)
 
     async def call(bucket: str, pixels: np.ndarray, deadline_epoch_s: float):
         from rampart.lane import RunnerResult
@@ -195,9 +196,9 @@ def test_through_the_lane_a_waiting_low_image_rides_with_a_normal_one_and_both_g
                                                                                     deadline_epoch_s=deadline_epoch_s)))
 
     def accept_riders(source, fill_to):
-        coalescer.top_up = lambda bucket, room, in_call: [
+        coalescer.top_up = lambda bucket, room, in_call, done_by: [
             (SimpleNamespace(pixels=pixels, deadline_epoch_s=deadline), future)
-            for pixels, deadline, future in source(bucket, room, in_call)]
+            for pixels, deadline, future in source(bucket, room, in_call, done_by)]
         coalescer.fill_to = fill_to
 
     buckets = buckets_for_resolution(32)
@@ -206,19 +207,36 @@ def test_through_the_lane_a_waiting_low_image_rides_with_a_normal_one_and_both_g
     lane.seed({"warmup_ms_per_image": 10.0, "compute_batch_size": 2})
     square = buckets["square"]
 
-    async def request(priority: str, value: int, delay_s: float = 0.0):
+    async def request(priority: str, value: int, deadline_ms: float = 10_000, delay_s: float = 0.0):
         await asyncio.sleep(delay_s)
-        ticket = lane.reserve(priority, Deadline(10_000))
+        ticket = lane.reserve(priority, Deadline(deadline_ms))
         assert not isinstance(ticket, Shed)
-        attempt = await lane.attempt(ticket, (square, np.full((4, 4, 3), value, np.uint8)), Deadline(10_000))
+        attempt = await lane.attempt(ticket, (square, np.full((4, 4, 3), value, np.uint8)), Deadline(deadline_ms))
         return float(attempt.answer.probs[0])
 
     async def scenario():
-        return await asyncio.gather(request("low", 1), request("low", 2, 0.01), request("normal", 3, 0.02))
+        return await asyncio.gather(request("low", 1), request("low", 2, second_low_deadline_ms, 0.01),
+                                    request("normal", 3, delay_s=0.02))
 
-    assert asyncio.run(scenario()) == [1.0, 2.0, 3.0]
+    return asyncio.run(scenario()), calls, coalescer, lane
+
+
+def test_through_the_lane_a_waiting_low_image_rides_with_a_normal_one_and_both_get_their_answers():
+    """The waiting low image rides in the normal image's call: the runner sees [normal, low] in one call, and each
+    request gets its own answer."""
+    answers, calls, coalescer, lane = run_through_lane(10_000)
+    assert answers == [1.0, 2.0, 3.0]
     assert calls == [[1.0], [3.0, 2.0]]  # the waiting low image rode with the normal one
     assert coalescer.stats.riders == 1 and lane.gate.dispatched == 0 and lane.fill_to == 2
+
+
+def test_a_low_image_that_would_come_back_late_from_the_call_does_not_board_it():
+    """At 1 s an image, the normal image's call topped up to two is predicted done in 2 s: a low image with 1.5 s
+    left stays waiting (it would only be dropped by the runner as late) and gets its own turn after the call."""
+    answers, calls, coalescer, lane = run_through_lane(1_500, item_cost_s=1.0)
+    assert answers == [1.0, 2.0, 3.0]
+    assert calls == [[1.0], [3.0], [2.0]]
+    assert coalescer.stats.riders == 0 and lane.gate.dispatched == 0
 
 
 class Pixels:
