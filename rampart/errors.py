@@ -18,7 +18,7 @@
     │   │   └── DecodeTimeout         422 decode_timeout
     │   ├── NotFound                  404 not_found
     │   ├── MethodNotAllowed          405 method_not_allowed
-    │   ├── BodyTimeout               408 request_timeout
+    │   ├── RequestTimeout            408 request_timeout
     │   ├── ClientDisconnected        499 client_disconnected (never seen by the client)
     │   ├── TooManyParts              413 too_many_parts
     │   ├── PartHeadersTooLarge       413 part_headers_too_large
@@ -48,7 +48,7 @@ __all__ = [
     "CorruptImage",
     "NotFound",
     "MethodNotAllowed",
-    "BodyTimeout",
+    "RequestTimeout",
     "ClientDisconnected",
     "PayloadTooLarge",
     "ImageTooLarge",
@@ -132,8 +132,8 @@ class MethodNotAllowed(RequestError):
         self.allowed = allowed
 
 
-class BodyTimeout(RequestError):
-    """The request body did not fully arrive before the request's deadline."""
+class RequestTimeout(RequestError):
+    """The request (its head or its body) did not fully arrive, or could not be read, before its deadline."""
 
     code, status = "request_timeout", 408
 

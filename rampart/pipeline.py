@@ -79,7 +79,7 @@ from rampart.config import Settings
 from rampart.overload.deadline import Deadline, Share
 from rampart.inputs.decode_job import DecodePlan, Prepared, model_input, prepare
 from rampart.inputs.decoding import DecodeLimits
-from rampart.errors import CorruptImage, DecodeTimeout, ImageError, Overloaded
+from rampart.errors import CorruptImage, DecodeTimeout, ImageError, Overloaded, RequestTimeout
 from rampart.lane import Attempt, ModelEndpoint, ModelLane, RunnerResult
 from rampart.inputs.pool import BoundedPool, JobTimeout, WorkerDied
 from rampart.heap import keep_freed_heap
@@ -248,11 +248,17 @@ class Pipeline:
         upload holds no place in any queue; ``admit`` takes the place once the body is
         in (``ModelLane.has_room`` and ``reserve`` decide alike). A deadline already
         used up (by the wait before the handler or the loop lag kept back with the
-        margin) is refused the same way, with ``cause`` ``deadline``.
+        margin) is refused the same way, with ``cause`` ``deadline``; but one used up by the client itself,
+        whose head alone took longer to arrive than the deadline's usable part (``Arrival.head_ms``), is
+        ``RequestTimeout`` (408), as a slow body is.
         """
         if any(lane.has_room(priority, deadline) for lane in self.lanes_for(priority)):
             return
         if deadline.remaining_s() <= 0:
+            head_ms = deadline.arrival.head_ms if deadline.arrival is not None else 0.0
+            if head_ms >= deadline.share_ms():
+                raise RequestTimeout(f"the request head took {head_ms:.0f} ms to arrive, longer than the deadline "
+                                     f"({deadline.share_ms():.0f} ms after margins); send the head at once")
             raise Overloaded(f"the deadline ({deadline.share_ms():.0f} ms after margins) was used up before work on "
                              "the request could start", self.retry_after_s(priority), cause="deadline")
         raise self._at_capacity(priority)

@@ -9,7 +9,9 @@ deadline never saw (measured in the closed-loop overload, docs/benchmarks.md).
 - **First byte.** ``rampart.compat.uvicorn_httptools.stamp_arrivals()`` makes uvicorn
   (httptools protocol, the one BentoML runs when ``httptools`` is installed) note
   ``time.monotonic()`` in the ASGI scope (key ``ARRIVAL_KEY``) when the parser sees the
-  first byte of each request (``on_message_begin``), for keep-alive connections too.
+  first byte of each request (``on_message_begin``), for keep-alive connections too, and
+  ``HeadLimitedProtocol`` notes the end of its head (key ``HEAD_END_KEY``): the time the
+  client took to send the head (``Arrival.head_ms``) is the client's, not the server's.
 - **A load balancer's stamp.** ``X-Request-Start: t=<epoch>`` (nginx
   ``"t=${msec}"``, Heroku's router, the New Relic and Datadog convention) is the
   time the request reached the proxy in front. Seconds, milliseconds and
@@ -49,12 +51,14 @@ from typing import Awaitable, Callable, Collection
 
 from rampart.hangup import serve_until_hang_up
 
-__all__ = ["ARRIVAL_KEY", "FUTURE_SKEW_MS", "Arrival", "arrival_of", "parse_request_start", "bound_inflight",
+__all__ = ["ARRIVAL_KEY", "HEAD_END_KEY", "FUTURE_SKEW_MS", "Arrival", "arrival_of", "parse_request_start", "bound_inflight",
            "behind_bound", "InflightBound", "HOLD_BODY_BYTES_KEY", "hold_body_bytes", "LARGE_BODY_SHARE",
            "SLOW_WINDOW_MIN_S"]
 
 #: ASGI scope key holding the ``time.monotonic()`` of the request's first byte.
 ARRIVAL_KEY = "rampart.first_byte_monotonic"
+#: ASGI scope key holding the ``time.monotonic()`` at which the request's head (request line and headers) ended.
+HEAD_END_KEY = "rampart.head_end_monotonic"
 #: ASGI scope key holding the request's ``hold(size) -> bool`` on the worker's budget of body bytes
 #: (``InflightBound``; read through ``hold_body_bytes``).
 HOLD_BODY_BYTES_KEY = "rampart.hold_body_bytes"
@@ -74,13 +78,15 @@ _STAMP = re.compile(r"^\s*(?:t=)?\s*(\d{1,20}(?:\.\d{1,9})?)\s*$")
 @dataclass(frozen=True)
 class Arrival:
     """When a request arrived: ``monotonic`` (``time.monotonic()`` s) and ``wall`` (``time.time()`` s) of
-    the same instant, ``before_handler_ms`` (ms from arrival to the handler's start) and ``source``:
-    ``x-request-start``, ``first-byte`` or ``handler``."""
+    the same instant, ``before_handler_ms`` (ms from arrival to the handler's start), ``source``:
+    ``x-request-start``, ``first-byte`` or ``handler``, and ``head_ms``: ms from the first byte to the end
+    of the head, the client's own sending time (0 when not stamped)."""
 
     monotonic: float
     wall: float
     before_handler_ms: float
     source: str
+    head_ms: float = 0.0
 
 
 def parse_request_start(raw: str | None, now_wall: float) -> float | None:
@@ -106,19 +112,22 @@ def arrival_of(scope: dict, request_start: str | None, max_age_ms: float) -> Arr
 
     The earliest of: the handler's start (now), the first byte (``ARRIVAL_KEY``),
     and ``X-Request-Start`` when it lies within ``max_age_ms`` in the past and
-    ``FUTURE_SKEW_MS`` in the future (see the module doc).
+    ``FUTURE_SKEW_MS`` in the future (see the module doc); with the head's sending time
+    (``HEAD_END_KEY`` less ``ARRIVAL_KEY``) when both are stamped.
     """
     now_monotonic, now_wall = time.monotonic(), time.time()
     age_s, source = 0.0, "handler"
     first_byte = scope.get(ARRIVAL_KEY)
     if first_byte is not None and now_monotonic - first_byte > 0:
         age_s, source = now_monotonic - first_byte, "first-byte"
+    head_end = scope.get(HEAD_END_KEY)
+    head_ms = max(head_end - first_byte, 0.0) * 1000.0 if first_byte is not None and head_end is not None else 0.0
     stamp = parse_request_start(request_start, now_wall)
     if stamp is not None:
         stamp_age_s = now_wall - stamp
         if -FUTURE_SKEW_MS / 1000.0 <= stamp_age_s <= max_age_ms / 1000.0 and stamp_age_s > age_s:
             age_s, source = stamp_age_s, "x-request-start"
-    return Arrival(now_monotonic - age_s, now_wall - age_s, age_s * 1000.0, source)
+    return Arrival(now_monotonic - age_s, now_wall - age_s, age_s * 1000.0, source, head_ms)
 
 
 #: Requests may be receiving their bodies at once, per in-flight place (``InflightBound``): receivers never hold

@@ -22,7 +22,7 @@ from rampart.config import Settings
 from rampart.overload.admission import PRIORITIES
 from rampart.overload.deadline import Deadline, run_within
 from rampart.errors import (
-    BodyTimeout,
+    RequestTimeout,
     ClientDisconnected,
     DeadlineTooShort,
     EmptyBody,
@@ -200,7 +200,7 @@ async def read_body(request: Request, limit: int, deadline: Deadline) -> bytes:
     """The body, read as it streams in, within the request's deadline.
 
     Raises ``PayloadTooLarge`` as soon as it passes ``limit`` bytes,
-    ``BodyTimeout`` (408) when it has not fully arrived by the deadline (a slow
+    ``RequestTimeout`` (408) when it has not fully arrived by the deadline (a slow
     upload holds nothing past its own deadline), and ``ClientDisconnected`` when
     the client hangs up mid-body.
     """
@@ -243,12 +243,12 @@ async def body_chunks(request: Request, limit: int) -> AsyncIterator[bytes]:
 
 
 async def within_deadline(reading: Awaitable[T], deadline: Deadline, late: str = "the body did not arrive") -> T:
-    """``reading``'s result; ``BodyTimeout`` past the deadline (its message starts with ``late``),
+    """``reading``'s result; ``RequestTimeout`` past the deadline (its message starts with ``late``),
     ``ClientDisconnected`` if the client hangs up."""
     try:
         return await run_within(reading, deadline.remaining_s())
     except asyncio.TimeoutError:
-        raise BodyTimeout(f"{late} within the deadline ({deadline.share_ms():.0f} ms)") from None
+        raise RequestTimeout(f"{late} within the deadline ({deadline.share_ms():.0f} ms)") from None
     except ClientDisconnect:
         raise ClientDisconnected("the client closed the connection before sending the whole body") from None
 
@@ -281,7 +281,7 @@ async def read_multipart(request: Request, field: str, max_files: int, part_limi
     Parts need no Content-Type and no filename; parts with another name are
     counted and skipped. Raises ``InvalidParameter`` for a body that is not valid
     multipart (including one that ends before its closing boundary), ``EmptyBody``
-    when no part has that name, and, like ``read_body``, ``BodyTimeout`` and
+    when no part has that name, and, like ``read_body``, ``RequestTimeout`` and
     ``ClientDisconnected``.
     """
     _, options = parse_options_header(request.headers.get("content-type", ""))

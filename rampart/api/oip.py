@@ -83,7 +83,7 @@ from rampart.api.arrival import hold_body_bytes
 from rampart.api.http import JsonResponse
 from rampart.config import Settings
 from rampart.overload.deadline import Deadline, run_within
-from rampart.errors import (BodyTimeout, DeadlineTooShort, EmptyBody, ImageTooLarge, InternalError, InvalidParameter, MethodNotAllowed,
+from rampart.errors import (RequestTimeout, DeadlineTooShort, EmptyBody, ImageTooLarge, InternalError, InvalidParameter, MethodNotAllowed,
                             PayloadTooLarge, RampartError, UnsupportedFormat)
 
 __all__ = [
@@ -860,12 +860,12 @@ async def read_infer_body(request: Request, limit: int, deadline: Deadline, sett
 
 
 async def _parse_within(body: bytes | bytearray, header_length: str | None, limits: Limits, deadline: Deadline) -> InferRequest:
-    """``parse_infer_request`` in a worker thread; ``BodyTimeout`` (408) if it is not done by the deadline."""
+    """``parse_infer_request`` in a worker thread; ``RequestTimeout`` (408) if it is not done by the deadline."""
     try:
         return await run_within(asyncio.to_thread(parse_infer_request, body, header_length, limits),
                                 deadline.remaining_s())
     except asyncio.TimeoutError:
-        raise BodyTimeout(f"the request could not be parsed within the deadline ({deadline.share_ms():.0f} ms)") from None
+        raise RequestTimeout(f"the request could not be parsed within the deadline ({deadline.share_ms():.0f} ms)") from None
 
 
 def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -> list[Route]:

@@ -74,7 +74,9 @@ clone's two-replica SIGKILL test). ``EarlyAnswerCycle`` holds the head and write
 piece of the body, so the kernel has the whole (small) answer or none of it.
 
 **First byte.** ``stamp_arrivals()`` notes when each request's first byte arrived in its
-ASGI scope (``rampart.api.arrival.ARRIVAL_KEY``), where the deadline clock starts.
+ASGI scope (``rampart.api.arrival.ARRIVAL_KEY``), where the deadline clock starts; ``HeadLimitedProtocol``
+notes the end of its head (``HEAD_END_KEY``), so a deadline used up by a slowly sent head is told apart from
+one used up waiting in the server.
 
 Both are applied by ``rampart.compat.apply_all``; the patched objects' sources are hashed in
 ``rampart.compat.targets``; docs/compat.md.
@@ -89,7 +91,7 @@ from asyncio import TimerHandle
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
-from rampart.api.arrival import ARRIVAL_KEY
+from rampart.api.arrival import ARRIVAL_KEY, HEAD_END_KEY
 from rampart.api.http import JsonResponse
 from rampart.config import ConnectionSettings, Settings, get_settings
 from rampart.telemetry import metrics
@@ -320,6 +322,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self.scope[HEAD_END_KEY] = time.monotonic()  # the head's sending time is the client's (Arrival.head_ms)
         self._cancel_head_timer()
         upgrade = self._get_upgrade()
         if upgrade is not None and not self._should_upgrade():

@@ -11,6 +11,7 @@ bytes (``HELD_BUDGET_BYTES``); the in-process tests of the same protocol are in
 
 from __future__ import annotations
 
+import json
 import selectors
 import socket
 import threading
@@ -166,6 +167,37 @@ def test_an_answered_keep_alive_connection_is_closed_after_the_keep_alive_timeou
     sock.close()
     print(f"keep-alive: closed {idle:.2f} s after the answer")
     assert KEEP_ALIVE_S - 0.2 <= idle <= KEEP_ALIVE_S + MARGIN_S
+
+
+def answer_to_trickled_head(port: int, upload: bytes, deadline_ms: int, head_s: float) -> tuple[int, dict]:
+    """Send a ``/classify`` head with ``X-Deadline-Ms: deadline_ms`` in pieces over ``head_s`` seconds (under the head
+    timeout), then the body at once; return the status and JSON body of the answer (the connection closes after)."""
+    head = (b"POST /classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nConnection: close\r\n"
+            b"X-Deadline-Ms: %d\r\nContent-Length: %d\r\n\r\n" % (deadline_ms, len(upload)))
+    pieces = 6
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        for i in range(pieces):
+            sock.sendall(head[i * len(head) // pieces:(i + 1) * len(head) // pieces])
+            time.sleep(head_s / pieces)
+        sock.sendall(upload)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    status_line, _, rest = answer.partition(b"\r\n")
+    return int(status_line.split()[1]), json.loads(rest.partition(b"\r\n\r\n")[2])
+
+
+def test_a_head_sent_slower_than_its_deadline_is_408_like_a_slow_body_and_then_requests_are_answered(timed_server):
+    """The time a client takes to send its head is its own: a head trickled over 0.9 s with a 300 ms deadline is
+    timed out (408 ``request_timeout``, as a body would be), not told that the server was too busy (429); the same
+    head with a 5 s deadline is answered."""
+    port = int(timed_server.url.rsplit(":", 1)[1])
+    upload = encode(photo("coffee"))
+    head_s = 0.6 * HEAD_S
+    status, body = answer_to_trickled_head(port, upload, 300, head_s)
+    assert status == 408 and body["error"]["code"] == "request_timeout" and "head took" in body["error"]["message"], body
+    status, body = answer_to_trickled_head(port, upload, 5_000, head_s)
+    assert status == 200 and body["model"]["name"] == "rampart-primary", body
 
 
 def test_the_rest_of_an_answered_body_and_an_endless_trailer_section_do_not_hold_connections(timed_server):

@@ -292,5 +292,5 @@ def test_a_content_type_without_boundary_is_422():
 
 def test_a_body_that_stops_arriving_is_408_and_a_hang_up_is_499():
     half = multipart(part("images", b"x"))[:20]
-    assert refused(parse(Body(half, then="wait"), deadline_ms=50), errors.BodyTimeout, 408)
+    assert refused(parse(Body(half, then="wait"), deadline_ms=50), errors.RequestTimeout, 408)
     assert refused(parse(Body(half, then="http.disconnect")), errors.ClientDisconnected, 499)

@@ -31,7 +31,7 @@ from rampart.api import http, oip
 from rampart.api.app import refuse_before_admission
 from rampart.config import Settings
 from rampart.overload.deadline import Deadline
-from rampart.errors import BodyTimeout, DeadlineTooShort, EmptyBody, InvalidParameter, PayloadTooLarge, RampartError
+from rampart.errors import RequestTimeout, DeadlineTooShort, EmptyBody, InvalidParameter, PayloadTooLarge, RampartError
 from tests.support import encode, photo
 from tests.support.oip import DEADLINE_MS, HOSTILE, answer, bad_request, image_input, image_json, pixels_json, texts
 from tests.unit.standins import CAT, COFFEE
@@ -543,7 +543,7 @@ class SpentDeadline:
 
 def test_parsing_past_the_deadline_is_408():
     body, header_length = request_body([image_input([encode(photo("coffee"))], False)])
-    with pytest.raises(BodyTimeout, match="parsed within the deadline"):
+    with pytest.raises(RequestTimeout, match="parsed within the deadline"):
         asyncio.run(oip._parse_within(body, header_length, LIMITS, SpentDeadline()))
 
 

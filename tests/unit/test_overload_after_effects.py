@@ -13,11 +13,15 @@ import numpy as np
 import pytest
 
 from rampart.overload.admission import AdmissionGate, ThroughputMeter
-from rampart.api.arrival import ARRIVAL_KEY, FUTURE_SKEW_MS, InflightBound, arrival_of, parse_request_start
+from rampart import errors
+from rampart.api.arrival import (ARRIVAL_KEY, FUTURE_SKEW_MS, HEAD_END_KEY, InflightBound, arrival_of,
+                                parse_request_start)
+from rampart.config import Settings
 from rampart.overload.breaker import CLOSED, OPEN, CircuitBreaker
 from rampart.inputs.buckets import buckets_for_resolution
 from rampart.overload.deadline import Deadline, Share
 from rampart.lane import ModelEndpoint, ModelLane, RunnerResult
+from tests.unit.standins import StandIn, stand_in_pipeline
 
 
 def busy_meter(now: list[float], ips: float, seconds: float, tau_s: float = 5.0) -> ThroughputMeter:
@@ -161,6 +165,26 @@ def test_x_request_start_units_and_sanity_bound():
     arrival = arrival_of({}, f"t={time.time() - 0.4:.3f}", 60_000)
     deadline = Deadline(1000, arrival.monotonic, arrival.wall, arrival)
     assert 0.55 <= deadline.remaining_s() <= 0.601 and deadline.before_handler_ms() >= 399
+
+
+def test_a_deadline_used_up_by_a_slowly_sent_head_is_408_and_one_used_up_waiting_in_the_server_is_429():
+    """The head's sending time (first byte to end of head) is the client's: when it alone used up the deadline the
+    request is timed out like a slow body (408); a deadline used up after a quick head, waiting in the server, is
+    the server's load (429, cause deadline, with Retry-After)."""
+    pipeline = stand_in_pipeline(Settings(), StandIn(1), StandIn(2))
+    now = time.monotonic()
+    slow_head = arrival_of({ARRIVAL_KEY: now - 0.6, HEAD_END_KEY: now - 0.01}, None, 60_000)
+    quick_head = arrival_of({ARRIVAL_KEY: now - 0.6, HEAD_END_KEY: now - 0.59}, None, 60_000)
+    assert 585 <= slow_head.head_ms <= 595 and quick_head.head_ms <= 15
+    assert arrival_of({ARRIVAL_KEY: now - 0.6}, None, 60_000).head_ms == 0.0  # not stamped: unknown, not the client's
+    settings = Settings()
+    with pytest.raises(errors.RequestTimeout) as timed_out:
+        pipeline.check_capacity(Deadline.sliced(300, slow_head, settings), "normal")
+    assert timed_out.value.status == 408 and "head took" in str(timed_out.value)
+    with pytest.raises(errors.Overloaded) as overloaded:
+        pipeline.check_capacity(Deadline.sliced(300, quick_head, settings), "normal")
+    assert overloaded.value.cause == "deadline" and overloaded.value.retry_after_s >= 1
+    pipeline.check_capacity(Deadline.sliced(5_000, slow_head, settings), "normal")  # time left: admitted
 
 
 def test_inflight_bound_refuses_beyond_its_limit_before_the_app_runs():
