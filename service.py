@@ -64,7 +64,7 @@ from rampart.config import get_settings
 from rampart.cores import place_this_process
 from rampart.inputs.buckets import buckets_for_resolution
 from rampart.overload.looplag import LoopLagMonitor
-from rampart.coalesce import Coalescer
+from rampart.coalesce import Boarding, Coalescer
 from rampart.pipeline import Pipeline, ModelEndpoint, RunnerResult, decode_pool
 from rampart.lane import RiderSource
 from rampart.runner_client import RunnerClient
@@ -122,9 +122,9 @@ def model_endpoint(tag: str, runner, max_items: int = 1,
         return RunnerResult.from_wire(result)
 
     def accept_riders(source: RiderSource, fill_to: Callable[[], int]) -> None:
-        def top_up(bucket_name: str, room: int, in_call: int, done_by: float) -> list:
+        def top_up(boarding: Boarding) -> list:
             return [(RunnerItem(pixels=pixels, deadline_epoch_s=deadline_epoch_s), future)
-                    for pixels, deadline_epoch_s, future in source(bucket_name, room, in_call, done_by)]
+                    for pixels, deadline_epoch_s, future in source(boarding)]
         coalescer.top_up, coalescer.fill_to = top_up, fill_to
 
     return ModelEndpoint(

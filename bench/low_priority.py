@@ -153,7 +153,8 @@ def run(out: Path, quick: bool, command: str, setting: str = SETTING, arms: tupl
         print(json.dumps({"arm": arm, "round": r, **{k: v for k, v in report.items()
                                                    if not isinstance(v, dict)}}), flush=True)
     medians = {arm: {key: _median([r["report"][key] for r in rows if r["arm"] == arm])
-                     for key in ("low_over_idle", "low_rps", "p99_ratio", "normal_by_primary_beside")}
+                     for key in ("low_over_idle", "low_rps", "p99_ratio", "p99_ratio_median_of_rounds",
+                                 "normal_by_primary_beside", "low_riders")}
                for arm in arms}
     name = f"low_priority-{setting.lower()}"
     return write_arms_report(out, name, command, setting, rows, medians, plot)

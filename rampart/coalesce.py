@@ -26,11 +26,12 @@ What each caller keeps:
   waiting before its item is sent takes it out of the queue (it is never sent);
 - at most ``max_items`` per call (the runner's ``max_batch_size``).
 
-Riders: a call formed with fewer than ``fill_to()`` items may be topped up to it by ``top_up(bucket, room,
-in_call, done_by)``, which returns items already taken elsewhere, each with the future of its result (the low
-priority class: ``rampart.overload.admission.AdmissionGate.carry`` says when). They go last in the call, only as
-many as fit before the earliest deadline in it, and only riders whose own deadline is after ``done_by`` (when the
-call, topped up to ``room`` more, is predicted to be computed), and are counted in ``CoalescerStats.riders``.
+Riders: a call formed with fewer than ``fill_to()`` items may be topped up to it by ``top_up(boarding)``
+(a ``Boarding``: the call's bucket, room, items, when it is predicted done, and the items still waiting here for
+later calls), which returns items already taken elsewhere, each with the future of its result (the low priority
+class: ``rampart.overload.admission.AdmissionGate.carry`` says when). They go last in the call, only as many as
+fit before the earliest deadline in it, and only riders whose own deadline is after ``done_by`` (when the call,
+topped up to ``room`` more, is predicted to be computed), and are counted in ``CoalescerStats.riders``.
 
 Plain asyncio, no BentoML: ``send(bucket, items) -> results`` is the runner call.
 """
@@ -43,7 +44,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Generic, TypeVar
 
-__all__ = ["Coalescer", "CoalescerStats", "ExpiredBeforeSend"]
+__all__ = ["Boarding", "Coalescer", "CoalescerStats", "ExpiredBeforeSend"]
 
 Item = TypeVar("Item")
 Result = TypeVar("Result")
@@ -51,6 +52,21 @@ Result = TypeVar("Result")
 
 class ExpiredBeforeSend(TimeoutError):
     """The item's deadline passed while it waited for its call: it was never sent to the runner."""
+
+
+@dataclass(frozen=True)
+class Boarding:
+    """A call being formed that riders may join (``Coalescer.top_up``): for runner bucket ``bucket``, with
+    ``in_call`` items in it and room for ``room`` more; ``done_by`` is when it is predicted computed once topped
+    up (``time.time()`` s: now + (``in_call`` + ``room``) × the measured cost per item; now while unmeasured), and
+    ``behind`` counts the items waiting in the coalescer, any bucket, for calls that will leave after it (a rider
+    would delay them)."""
+
+    bucket: str
+    room: int
+    in_call: int
+    done_by: float
+    behind: int
 
 
 @dataclass
@@ -88,11 +104,10 @@ class Coalescer(Generic[Item, Result]):
     (module doc). Raises ``ValueError`` for bounds below 1.
     """
 
-    #: ``top_up(bucket, room, in_call, done_by) -> [(item, future)]``: at most ``room`` items to carry in a call
-    #: being formed with ``in_call`` items, each with the future its result is set on, and each with a deadline
-    #: after ``done_by`` (``time.time()`` s: when the call with ``room`` more is predicted done, at ``item_cost_s``;
-    #: now while that is unmeasured); None: calls carry no riders.
-    top_up: Callable[[str, int, int, float], list[tuple[Item, asyncio.Future]]] | None = None
+    #: ``top_up(boarding) -> [(item, future)]``: at most ``boarding.room`` items to carry in the call
+    #: ``boarding`` (a ``Boarding``) describes, each with the future its result is set on and a deadline after
+    #: ``boarding.done_by``; None: calls carry no riders.
+    top_up: Callable[[Boarding], list[tuple[Item, asyncio.Future]]] | None = None
     #: The number of items a call is topped up to (the runner's compute batch size).
     fill_to: Callable[[], int] = staticmethod(lambda: 1)
 
@@ -160,7 +175,8 @@ class Coalescer(Generic[Item, Result]):
         if cost_s > 0:  # riders only where they keep everyone in the call in time
             room = min(room, int((earliest - now) / cost_s) - len(batch))
         if room > 0 and self.top_up is not None:
-            riders = self.top_up(bucket, room, len(batch), now + (len(batch) + room) * cost_s)
+            behind = sum(len(other.waiting) for other in self._buckets.values())
+            riders = self.top_up(Boarding(bucket, room, len(batch), now + (len(batch) + room) * cost_s, behind))
             batch.extend(riders)
             self.stats.riders += len(riders)
         state.busy += 1

@@ -283,6 +283,11 @@ class RunnerSettings(_Group):
                                       "the API worker is in the runner, up to the runner's compute batch size "
                                       "([planning.md](planning.md#the-low-priority-class-x-priority-low)); false: "
                                       "low images go only one at a time, into an idle runner")
+    low_priority_riders_ahead: int = Field(
+        0, ge=0, description="with riders, a low image joins a call only while at most this many other normal or high "
+        "images of the API worker are in the runner (in calls out before it, which it does not delay) and none waits "
+        "to be sent after it; 0: only while the call's images are all such work "
+        "([planning.md](planning.md#riders-low-images-in-a-normal-call))")
     transport: Literal["lean", "proxy"] = Field("lean", description="how the entry service sends runner calls: "
                                                 "`lean`, BentoML's wire format over Rampart's keep-alive HTTP/1.1 "
                                                 "client (`rampart.runner_client`); `proxy`, BentoML's dependency "

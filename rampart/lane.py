@@ -28,6 +28,7 @@ from typing import Awaitable, Callable
 import numpy as np
 
 from rampart.telemetry import metrics
+from rampart.coalesce import Boarding
 from rampart.hangup import hung_up, set_stage
 from rampart.overload.admission import LOW, AdmissionGate, Shed, Ticket, priority_rank
 from rampart.overload.breaker import STATE_VALUES, CircuitBreaker
@@ -67,11 +68,11 @@ class RunnerResult:
 #: ``call(bucket_name, pixels uint8 H×W×3, deadline_epoch_s)``: ``deadline_epoch_s`` is the end of
 #: the lane's share of the request's deadline as ``time.time()`` seconds (``Deadline.epoch_s``).
 RunnerCall = Callable[[str, np.ndarray, float], Awaitable[RunnerResult]]
-#: ``source(bucket_name, room, in_call, done_by) -> [(pixels, deadline_epoch_s, future)]``: at most ``room`` images,
-#: already dispatched, to ride in a call being formed with ``in_call`` images, each with ``deadline_epoch_s`` after
-#: ``done_by`` (``time.time()`` s, when that call is predicted done); the call sets each one's runner result (the
-#: wire form) on its ``future``.
-RiderSource = Callable[[str, int, int, float], list[tuple[np.ndarray, float, asyncio.Future]]]
+#: ``source(boarding) -> [(pixels, deadline_epoch_s, future)]``: at most ``boarding.room`` images, already
+#: dispatched, to ride in the call ``boarding`` describes (``rampart.coalesce.Boarding``), each with
+#: ``deadline_epoch_s`` after ``boarding.done_by``; the call sets each one's runner result (the wire form) on its
+#: ``future``.
+RiderSource = Callable[[Boarding], list[tuple[np.ndarray, float, asyncio.Future]]]
 
 
 @dataclass(frozen=True)
@@ -178,14 +179,14 @@ class ModelLane:
         self.gate.meter.seed(runner_counters["warmup_ms_per_image"])
         self.fill_to = max(1, int(runner_counters.get("compute_batch_size") or 1))
 
-    def _riders(self, bucket_name: str, room: int, in_call: int,
-                done_by: float) -> list[tuple[np.ndarray, float, asyncio.Future]]:
+    def _riders(self, boarding: Boarding) -> list[tuple[np.ndarray, float, asyncio.Future]]:
         """The ``RiderSource`` of this lane's endpoint: waiting low tickets the gate lets ride (``AdmissionGate.carry``)
-        whose share of the deadline (the cargo's ``deadline_epoch_s``, ``attempt``) ends after ``done_by``: a rider
-        that would come back late is not sent, it waits for its own turn, where the gate sheds it in time."""
+        whose share of the deadline (the cargo's ``deadline_epoch_s``, ``attempt``) ends after ``boarding.done_by``:
+        a rider that would come back late is not sent, it waits for its own turn, where the gate sheds it in time."""
         def in_time(cargo: tuple[np.ndarray, float]) -> bool:
-            return cargo[1] > done_by
-        return [(*cargo, ticket.carried) for ticket, cargo in self.gate.carry(bucket_name, room, in_call, in_time)]
+            return cargo[1] > boarding.done_by
+        carried = self.gate.carry(boarding.bucket, boarding.room, boarding.in_call, boarding.behind, in_time)
+        return [(*cargo, ticket.carried) for ticket, cargo in carried]
 
     def _publish_queue(self, gate: AdmissionGate) -> None:
         """Set the queue-depth gauge of each bucket whose count changed since the last call: a change

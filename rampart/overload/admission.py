@@ -390,13 +390,18 @@ class AdmissionGate:
 
     def __init__(self, name: str, max_batch_size: int, concurrent_batches: int, queue_delay_ms: float,
                  meter: ThroughputMeter, workers: int = 1, mode: str = "full",
-                 service: ServiceTime | None = None, prediction: str = "meter") -> None:
+                 service: ServiceTime | None = None, prediction: str = "meter", riders_ahead: int = 0) -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         if mode not in ADMISSION_MODES:
             raise ValueError(f"admission mode {mode!r} is not one of {ADMISSION_MODES}")
         if prediction not in PREDICTIONS:
             raise ValueError(f"prediction {prediction!r} is not one of {PREDICTIONS}")
+        if riders_ahead < 0:
+            raise ValueError(f"riders_ahead must be at least 0, got {riders_ahead}")
+        #: Most higher-class images of other calls this worker may have dispatched (ahead of it in the runner) for
+        #: waiting low tickets to ride in a call a higher class's image formed (``carry``).
+        self.riders_ahead = riders_ahead
         #: How completion is predicted (``PREDICTIONS``): ``meter`` or ``service`` (``completion_s``).
         self.prediction = prediction
         self.name = name
@@ -643,23 +648,29 @@ class AdmissionGate:
                 self._take(ticket)
                 ticket.future.set_result(None)
 
-    def carry(self, bucket: str, room: int, in_call: int,
+    def carry(self, bucket: str, room: int, in_call: int, behind: int = 0,
               boards: Callable[[object], bool] = lambda cargo: True) -> list[tuple[Ticket, object]]:
         """Dispatch up to ``room`` waiting low tickets of ``bucket`` into a call being formed with ``in_call`` images
         of a higher class, and return them with their cargo, oldest first; each gets ``carried``, a new future for
         its result (and leaves its cargo with the caller: a dispatched ticket keeps none). A ticket whose cargo
         ``boards`` refuses (the caller's test: would it be answered in time in this call?) stays waiting.
 
-        Low work rides only where the model had no other work of a higher class: when this gate has no image of
-        a higher class dispatched but the ``in_call`` images (as this worker sees the runner), no ticket of a
-        higher class waits for dispatch, and the window has room. Up to the runner's compute batch size a batch
+        Low work rides only where it delays no image of a higher class that is already waiting: no ticket of a
+        higher class waits for dispatch, none of this worker's images waits to be sent in a later call
+        (``behind``, ``rampart.coalesce.Boarding``), and the window has room; and this gate has at most
+        ``riders_ahead`` images of a higher class dispatched besides the ``in_call`` images: those are in calls
+        already out, ahead of this one in the runner, which a rider does not delay (0: the call's images are the
+        model's only higher-class work, as this worker sees the runner). A rider can still delay images that arrive
+        while its call is in the runner, the longer the runner's backlog the more: docs/planning.md ("Riders")
+        gives the measured trade. Up to the runner's compute batch size a batch
         costs less per image than one image alone (EfficientNet-Lite2 on the 2-core host, warm-up timing: 25.5
         ms an image alone, 18.6 at two), so a rider costs the model less than its own call would; it delays the
         images in its call by that difference, and never joins a call while other higher-class work is with the
         runner. Only tickets waiting with ``cargo`` (``turn``) ride. Measured: docs/planning.md, "Riders".
         """
         higher = self.dispatched - self.dispatched_low
-        if room <= 0 or not self.queued_by_rank[LOW] or not 1 <= higher <= in_call or self._heap_has_waiters(NORMAL):
+        if (room <= 0 or not self.queued_by_rank[LOW] or not 1 <= higher <= in_call + self.riders_ahead or behind
+                or self._heap_has_waiters(NORMAL)):
             return []
         riders: list[tuple[Ticket, object]] = []
         for rank, _, ticket in sorted(self._heap):

@@ -5,12 +5,13 @@ in-process, with stand-in runners."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from types import SimpleNamespace
 
 import numpy as np
 
-from rampart.coalesce import Coalescer
+from rampart.coalesce import Boarding, Coalescer
 from rampart.inputs.buckets import buckets_for_resolution
 from rampart.lane import ModelEndpoint, ModelLane
 from rampart.overload.admission import AdmissionGate, Shed, ThroughputMeter
@@ -40,8 +41,9 @@ def riding_coalescer(runner: Runner, riders: list[str], fill_to: int, item_cost_
     offers: list[tuple[int, int]] = []
     futures: dict[str, asyncio.Future] = {}
 
-    def top_up(bucket: str, room: int, in_call: int, done_by: float) -> list:
-        offers.append((room, in_call, round(done_by - time.time(), 1)))
+    def top_up(boarding: Boarding) -> list:
+        room = boarding.room
+        offers.append((room, boarding.in_call, round(boarding.done_by - time.time(), 1)))
         taken, riders[:] = riders[:room], riders[room:]
         out = []
         for name in taken:
@@ -112,16 +114,22 @@ async def _low_waiting(g: AdmissionGate, bucket: str, cargo: object) -> tuple:
         return ticket.carried is not None, ticket.cargo
 
 
+def hold_the_low_window(g: AdmissionGate) -> tuple[asyncio.Event, asyncio.Task]:
+    """A low ticket takes ``g``'s low window, so the next low tickets wait, until the returned event is set; the
+    returned task holds it."""
+    busy = g.reserve("low", 60)
+    hold = asyncio.Event()
+
+    async def holding():
+        async with busy.turn(lambda: 60.0, "square", "busy"):
+            await hold.wait()
+    return hold, asyncio.create_task(holding())
+
+
 def test_the_gate_carries_waiting_low_tickets_of_the_bucket_only_while_the_call_is_its_only_higher_work():
     async def scenario():
         g = gate()
-        busy = g.reserve("low", 60)  # takes the low window: the next low tickets wait
-        hold = asyncio.Event()
-
-        async def holding():
-            async with busy.turn(lambda: 60.0, "square", "busy"):
-                await hold.wait()
-        holder = asyncio.create_task(holding())
+        hold, holder = hold_the_low_window(g)
         await asyncio.sleep(0)
         waiting = [asyncio.create_task(_low_waiting(g, bucket, bucket + str(i)))
                    for i, bucket in enumerate(["square", "landscape", "square", "square"])]
@@ -148,6 +156,60 @@ def test_the_gate_carries_waiting_low_tickets_of_the_bucket_only_while_the_call_
     done, g = asyncio.run(scenario())
     assert done == [(True, None), (True, None)]
     assert g.dispatched == 0 and g.dispatched_low == 0
+
+
+def test_low_tickets_ride_past_at_most_riders_ahead_images_in_calls_out_and_never_ahead_of_waiting_images():
+    """Normal images already in calls out are ahead of the call being formed: with ``riders_ahead`` 1 a rider may
+    board past one of them, not two, and with 0 past none; an image still waiting in the coalescer for a later call
+    (``behind``) would be delayed, so nobody boards."""
+    async def scenario(ahead: int, out: int, behind: int = 0) -> list:
+        g = AdmissionGate("m", max_batch_size=16, concurrent_batches=1, queue_delay_ms=1000,
+                          meter=ThroughputMeter(override_ips=100), riders_ahead=ahead)
+        hold, holder = hold_the_low_window(g)
+        await asyncio.sleep(0)
+        waiting = asyncio.create_task(_low_waiting(g, "square", "rider"))
+        await asyncio.sleep(0.01)
+        async with contextlib.AsyncExitStack() as stack:
+            for _ in range(out):  # in calls out, ahead of the one being formed
+                await stack.enter_async_context(g.reserve("normal", 60).turn(lambda: 60.0, "landscape"))
+            await stack.enter_async_context(g.reserve("normal", 60).turn(lambda: 60.0, "square"))  # forms the call
+            riders = g.carry("square", 1, in_call=1, behind=behind)
+            for ticket, _ in riders:
+                ticket.carried.set_result("answer")
+            if riders:
+                await waiting
+        hold.set()
+        await holder
+        waiting.cancel()
+        return [cargo for _, cargo in riders]
+
+    assert asyncio.run(scenario(ahead=1, out=1)) == ["rider"]
+    assert asyncio.run(scenario(ahead=1, out=2)) == []
+    assert asyncio.run(scenario(ahead=1, out=1, behind=1)) == []
+    assert asyncio.run(scenario(ahead=0, out=1)) == []
+    assert asyncio.run(scenario(ahead=0, out=0)) == ["rider"]
+
+
+def test_a_boarding_counts_the_items_left_waiting_for_later_calls_in_every_bucket():
+    """Two buckets each with a call out and an image waiting for the next: when the square call returns, the call
+    formed from its waiting image is offered riders with the landscape image still waiting behind it."""
+    boardings: list[Boarding] = []
+
+    async def send(bucket: str, items: list) -> list:
+        await asyncio.sleep(0.05 if bucket == "square" else 0.2)
+        return [("ok", entry["name"]) for entry in items]
+
+    async def scenario():
+        c = Coalescer(send, lambda entry: entry["deadline"], 16)
+        c.fill_to = lambda: 2
+        c.top_up = lambda boarding: boardings.append(boarding) or []
+        calls = [asyncio.ensure_future(c.call(bucket, item(name))) for bucket, name in
+                 [("square", "s1"), ("landscape", "l1"), ("square", "s2"), ("landscape", "l2")]]
+        await asyncio.gather(*calls)
+
+    asyncio.run(scenario())
+    assert [(b.bucket, b.in_call, b.behind) for b in boardings] == [
+        ("square", 1, 0), ("landscape", 1, 0), ("square", 1, 1), ("landscape", 1, 0)]
 
 
 def test_no_low_ticket_is_carried_while_a_higher_class_waits_for_dispatch():
@@ -196,9 +258,8 @@ def run_through_lane(second_low_deadline_ms: float, item_cost_s: float | None = 
                                                                                     deadline_epoch_s=deadline_epoch_s)))
 
     def accept_riders(source, fill_to):
-        coalescer.top_up = lambda bucket, room, in_call, done_by: [
-            (SimpleNamespace(pixels=pixels, deadline_epoch_s=deadline), future)
-            for pixels, deadline, future in source(bucket, room, in_call, done_by)]
+        coalescer.top_up = lambda boarding: [(SimpleNamespace(pixels=pixels, deadline_epoch_s=deadline), future)
+                                             for pixels, deadline, future in source(boarding)]
         coalescer.fill_to = fill_to
 
     buckets = buckets_for_resolution(32)
