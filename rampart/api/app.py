@@ -47,7 +47,7 @@ from rampart.api.http import JsonResponse
 from rampart.api.lifecycle import Lifecycle
 from rampart.config import Settings
 from rampart.cores import usable_cores
-from rampart.errors import RequestTimeout, InternalError, InvalidParameter, Overloaded, RampartError, Unavailable
+from rampart.errors import InternalError, InvalidParameter, Overloaded, RampartError, RequestTimeout, Unavailable
 from rampart.overload.deadline import Deadline
 from rampart.pipeline import Pipeline
 from rampart.shadow import ShadowMirror
@@ -417,7 +417,7 @@ def answer_body_too_slow(app: Starlette) -> ASGIApp:
     async def too_slow(scope, receive, send) -> None:
         settings = state.settings
         error = RequestTimeout(f"the body arrived slower than {settings.connections.min_body_bytes_per_s} bytes/s "
-                            f"after the first {settings.connections.body_grace_ms} ms")
+                               f"after the first {settings.connections.body_grace_ms} ms")
         await _answer_at_the_front(scope, receive, send, error, close=True)
 
     return too_slow

@@ -22,7 +22,6 @@ from rampart.config import Settings
 from rampart.overload.admission import PRIORITIES
 from rampart.overload.deadline import Deadline, run_within
 from rampart.errors import (
-    RequestTimeout,
     ClientDisconnected,
     DeadlineTooShort,
     EmptyBody,
@@ -32,6 +31,7 @@ from rampart.errors import (
     PartHeadersTooLarge,
     PayloadTooLarge,
     RampartError,
+    RequestTimeout,
     TooManyParts,
     Unavailable,
 )

@@ -83,8 +83,8 @@ from rampart.api.arrival import hold_body_bytes
 from rampart.api.http import JsonResponse
 from rampart.config import Settings
 from rampart.overload.deadline import Deadline, run_within
-from rampart.errors import (RequestTimeout, DeadlineTooShort, EmptyBody, ImageTooLarge, InternalError, InvalidParameter, MethodNotAllowed,
-                            PayloadTooLarge, RampartError, UnsupportedFormat)
+from rampart.errors import (DeadlineTooShort, EmptyBody, ImageTooLarge, InternalError, InvalidParameter, MethodNotAllowed,
+                            PayloadTooLarge, RampartError, RequestTimeout, UnsupportedFormat)
 
 __all__ = [
     "MODEL_NAME",

@@ -31,7 +31,7 @@ from rampart.api import http, oip
 from rampart.api.app import refuse_before_admission
 from rampart.config import Settings
 from rampart.overload.deadline import Deadline
-from rampart.errors import RequestTimeout, DeadlineTooShort, EmptyBody, InvalidParameter, PayloadTooLarge, RampartError
+from rampart.errors import DeadlineTooShort, EmptyBody, InvalidParameter, PayloadTooLarge, RampartError, RequestTimeout
 from tests.support import encode, photo
 from tests.support.oip import DEADLINE_MS, HOSTILE, answer, bad_request, image_input, image_json, pixels_json, texts
 from tests.unit.standins import CAT, COFFEE
