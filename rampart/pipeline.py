@@ -255,21 +255,15 @@ class Pipeline:
         """
         if any(lane.has_room(priority, deadline) for lane in self.lanes_for(priority)):
             return
-        if deadline.remaining_s() <= 0:
-            head_ms = deadline.arrival.head_ms if deadline.arrival is not None else 0.0
-            if head_ms >= deadline.share_ms():
-                raise RequestTimeout(f"the request head took {head_ms:.0f} ms to arrive, longer than the deadline "
-                                     f"({deadline.share_ms():.0f} ms after margins); send the head at once")
-            raise Overloaded(f"the deadline ({deadline.share_ms():.0f} ms after margins) was used up before work on "
-                             "the request could start", self.retry_after_s(priority), cause="deadline")
-        raise self._at_capacity(priority)
+        raise self._refusal(deadline, priority)
 
     def admit(self, deadline: Deadline, priority: str | bool) -> Admission:
         """Take a place for a request whose body is in: a ticket for the routing's first model (``order``:
         the primary, or the fallback in cascade mode), else one for the other (none with ``primary-only``).
 
-        Raises ``Overloaded`` (429) when no model of the routing can take it (``check_capacity``
-        let it in, but the gates filled while its body arrived).
+        Raises what ``check_capacity`` raises when no model of the routing can take it (``check_capacity``
+        let it in, but the gates filled or the deadline ran out while its body arrived; or, as on the OIP
+        route, the body asked for a shorter deadline than the headers).
         """
         refused = None
         for lane in self.lanes_for(priority):
@@ -277,7 +271,21 @@ class Pipeline:
             if isinstance(taken, Ticket):
                 return Admission(**{lane.role: taken}, refused=refused)
             refused = refused or taken
-        raise self._at_capacity(priority)
+        raise self._refusal(deadline, priority)
+
+    def _refusal(self, deadline: Deadline, priority: str | bool) -> RequestTimeout | Overloaded:
+        """Why no model takes a request with ``deadline`` of class ``priority``: ``RequestTimeout`` (408) when the
+        deadline is used up and its head alone took that long to arrive (``Arrival.head_ms``: the client's
+        sending time), ``Overloaded`` with ``cause`` ``deadline`` when it is used up otherwise (waiting in the
+        server), else ``Overloaded`` at capacity (``_at_capacity``)."""
+        if deadline.remaining_s() > 0:
+            return self._at_capacity(priority)
+        head_ms = deadline.arrival.head_ms if deadline.arrival is not None else 0.0
+        if head_ms >= deadline.share_ms():
+            return RequestTimeout(f"the request head took {head_ms:.0f} ms to arrive, longer than the deadline "
+                                  f"({deadline.share_ms():.0f} ms after margins); send the head at once")
+        return Overloaded(f"the deadline ({deadline.share_ms():.0f} ms after margins) was used up before work on "
+                          "the request could start", self.retry_after_s(priority), cause="deadline")
 
     def _at_capacity(self, priority: str | bool = "normal") -> Overloaded:
         if priority_rank(priority) == LOW:

@@ -11,6 +11,7 @@ bytes (``HELD_BUDGET_BYTES``); the in-process tests of the same protocol are in
 
 from __future__ import annotations
 
+import base64
 import json
 import selectors
 import socket
@@ -169,17 +170,19 @@ def test_an_answered_keep_alive_connection_is_closed_after_the_keep_alive_timeou
     assert KEEP_ALIVE_S - 0.2 <= idle <= KEEP_ALIVE_S + MARGIN_S
 
 
-def answer_to_trickled_head(port: int, upload: bytes, deadline_ms: int, head_s: float) -> tuple[int, dict]:
-    """Send a ``/classify`` head with ``X-Deadline-Ms: deadline_ms`` in pieces over ``head_s`` seconds (under the head
-    timeout), then the body at once; return the status and JSON body of the answer (the connection closes after)."""
-    head = (b"POST /classify HTTP/1.1\r\nHost: x\r\nContent-Type: image/jpeg\r\nConnection: close\r\n"
-            b"X-Deadline-Ms: %d\r\nContent-Length: %d\r\n\r\n" % (deadline_ms, len(upload)))
+def answer_to_trickled_head(port: int, deadline_ms: int, head_s: float, body: bytes, path: str = "/classify",
+                            content_type: str = "image/jpeg") -> tuple[int, dict]:
+    """Send a POST ``path`` head with ``X-Deadline-Ms: deadline_ms`` in pieces over ``head_s`` seconds (under the head
+    timeout), then ``body`` at once; return the status and JSON body of the answer (the connection closes after)."""
+    head = (b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: %s\r\nConnection: close\r\n"
+            b"X-Deadline-Ms: %d\r\nContent-Length: %d\r\n\r\n" % (path.encode(), content_type.encode(), deadline_ms,
+                                                                    len(body)))
     pieces = 6
     with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
         for i in range(pieces):
             sock.sendall(head[i * len(head) // pieces:(i + 1) * len(head) // pieces])
             time.sleep(head_s / pieces)
-        sock.sendall(upload)
+        sock.sendall(body)
         answer = b""
         while chunk := sock.recv(65536):
             answer += chunk
@@ -189,14 +192,19 @@ def answer_to_trickled_head(port: int, upload: bytes, deadline_ms: int, head_s: 
 
 def test_a_head_sent_slower_than_its_deadline_is_408_like_a_slow_body_and_then_requests_are_answered(timed_server):
     """The time a client takes to send its head is its own: a head trickled over 0.9 s with a 300 ms deadline is
-    timed out (408 ``request_timeout``, as a body would be), not told that the server was too busy (429); the same
-    head with a 5 s deadline is answered."""
+    timed out (408 ``request_timeout``, as a body would be), not told that the server was too busy (429); so is an
+    OIP request whose body shortens a long header deadline to 300 ms; the same head with a 5 s deadline is
+    answered."""
     port = int(timed_server.url.rsplit(":", 1)[1])
     upload = encode(photo("coffee"))
     head_s = 0.6 * HEAD_S
-    status, body = answer_to_trickled_head(port, upload, 300, head_s)
+    status, body = answer_to_trickled_head(port, 300, head_s, upload)
     assert status == 408 and body["error"]["code"] == "request_timeout" and "head took" in body["error"]["message"], body
-    status, body = answer_to_trickled_head(port, upload, 5_000, head_s)
+    infer = json.dumps({"parameters": {"deadline_ms": 300}, "inputs": [
+        {"name": "IMAGE", "datatype": "BYTES", "shape": [1], "data": [base64.b64encode(upload).decode()]}]}).encode()
+    status, body = answer_to_trickled_head(port, 60_000, head_s, infer, "/v2/models/rampart/infer", "application/json")
+    assert status == 408 and "head took" in body["error"], body
+    status, body = answer_to_trickled_head(port, 5_000, head_s, upload)
     assert status == 200 and body["model"]["name"] == "rampart-primary", body
 
 

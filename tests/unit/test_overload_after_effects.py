@@ -185,6 +185,12 @@ def test_a_deadline_used_up_by_a_slowly_sent_head_is_408_and_one_used_up_waiting
         pipeline.check_capacity(Deadline.sliced(300, quick_head, settings), "normal")
     assert overloaded.value.cause == "deadline" and overloaded.value.retry_after_s >= 1
     pipeline.check_capacity(Deadline.sliced(5_000, slow_head, settings), "normal")  # time left: admitted
+    # The same when the deadline runs out before the place is taken (the OIP route's body may shorten it).
+    with pytest.raises(errors.RequestTimeout):
+        pipeline.admit(Deadline.sliced(300, slow_head, settings), "normal")
+    with pytest.raises(errors.Overloaded) as overloaded:
+        pipeline.admit(Deadline.sliced(300, quick_head, settings), "normal")
+    assert overloaded.value.cause == "deadline"
 
 
 def test_inflight_bound_refuses_beyond_its_limit_before_the_app_runs():
