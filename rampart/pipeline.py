@@ -438,12 +438,12 @@ class Pipeline:
         def answer(lane: ModelLane, attempt: Attempt, reason: str | None, route: str) -> dict:
             return self._model_answer(lane, attempt.answer, prepared, top_k, decode_ms, start, reason, route)
 
-        if priority == "low":  # the primary alone; then only a cached answer, which costs no model time
+        if priority == "low":  # the primary alone; then only the primary's cached answer, which costs no model time
             first = await self._attempt(self.primary, admission, prepared, deadline, priority)
             if first.answer is not None:
                 return answer(self.primary, first, None, ROUTE_LOW_PRIORITY)
             cached = self.cache.get(prepared.key)
-            if cached is not None:
+            if cached is not None and cached.role == self.primary.role:  # never an answer of the fallback's
                 return self._body("cached_result", start, decode_ms, prepared.warnings, cached, top_k)
             if first.reason == f"{self.primary.role}_timeout":  # the deadline ran out, not the room
                 raise Overloaded(f"the primary did not answer within the deadline ({deadline.share_ms():.0f} ms after "

@@ -137,6 +137,18 @@ def test_a_low_request_the_primary_cannot_answer_is_429_never_the_fallback_then_
     assert pipeline.state()["priority"]["normal"]["primary"] == 1
 
 
+def test_a_low_request_never_gets_an_answer_the_fallback_made_not_even_from_the_cache():
+    primary, fallback = StandIn(1), StandIn(2)
+    pipeline = make_pipeline(primary, fallback)
+    data = encode(photo("chelsea"), "JPEG")
+    primary.mode = "error"
+    degraded = asyncio.run(pipeline.classify(data, 5, Deadline(10_000), "normal"))  # the fallback's answer is cached
+    assert degraded["model"]["name"] == "fallback" and fallback.calls == 1
+    with pytest.raises(errors.Overloaded):
+        asyncio.run(pipeline.classify(data, 5, Deadline(10_000), "low"))
+    assert fallback.calls == 1 and pipeline.state()["priority"]["low"]["cache"] == 0
+
+
 def test_a_low_request_has_no_room_when_only_the_fallback_has():
     pipeline = make_pipeline(StandIn(1), StandIn(2))
     pipeline.primary.gate.dispatched = pipeline.primary.gate.window + pipeline.primary.gate.queue_limit  # full
