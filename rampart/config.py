@@ -280,7 +280,8 @@ class RunnerSettings(_Group):
     calls_in_flight: int = Field(1, ge=1, description="with coalescing, calls out per bucket at most")
     low_priority_riders: bool = Field(True, description="with coalescing, waiting `X-Priority: low` images ride in a "
                                       "call that a normal or high image forms while no other normal or high image of "
-                                      "the API worker is in the runner, up to the runner's compute batch size "
+                                      "the API worker is in the runner (`RUNNER_LOW_PRIORITY_RIDERS_AHEAD` relaxes "
+                                      "this), up to the runner's compute batch size "
                                       "([planning.md](planning.md#the-low-priority-class-x-priority-low)); false: "
                                       "low images go only one at a time, into an idle runner")
     low_priority_riders_ahead: int = Field(

@@ -43,8 +43,9 @@ the runner ahead of it, and the rest of the window (always more than a batch) is
 free for it, so a low item never holds a place a higher one could take. (Items
 already sent to the runner cannot be called back; the small low window is what
 keeps them out of a higher request's way.) A waiting low image may also ride in a call that a normal or high
-image forms while nothing else of a higher class is with the runner, up to the runner's compute batch size
-(``carry``: ``rampart.lane.ModelLane`` hands them to the ``rampart.coalesce.Coalescer`` that forms the call).
+image forms while nothing else of a higher class is with the runner (by default; ``riders_ahead`` lets it past
+that many images in calls already out), up to the runner's compute batch size (``carry``:
+``rampart.lane.ModelLane`` hands them to the ``rampart.coalesce.Coalescer`` that forms the call).
 
 For experiments only (setting ``admission``, docs/benchmarks.md, "Ablation"), a gate's ``mode`` can
 switch shedding off in part: ``queue-bound`` refuses only ``queue_full`` (no
@@ -662,11 +663,10 @@ class AdmissionGate:
         already out, ahead of this one in the runner, which a rider does not delay (0: the call's images are the
         model's only higher-class work, as this worker sees the runner). A rider can still delay images that arrive
         while its call is in the runner, the longer the runner's backlog the more: docs/planning.md ("Riders")
-        gives the measured trade. Up to the runner's compute batch size a batch
-        costs less per image than one image alone (EfficientNet-Lite2 on the 2-core host, warm-up timing: 25.5
-        ms an image alone, 18.6 at two), so a rider costs the model less than its own call would; it delays the
-        images in its call by that difference, and never joins a call while other higher-class work is with the
-        runner. Only tickets waiting with ``cargo`` (``turn``) ride. Measured: docs/planning.md, "Riders".
+        gives the measured trade. Up to the runner's compute batch size a batch costs less per image than one
+        image alone (EfficientNet-Lite2 on the 2-core host, warm-up timing: 25.5 ms an image alone, 18.6 at two),
+        so a rider costs the model less than its own call would, and delays the images in its call by that
+        difference. Only tickets waiting with ``cargo`` (``turn``) ride.
         """
         higher = self.dispatched - self.dispatched_low
         if (room <= 0 or not self.queued_by_rank[LOW] or not 1 <= higher <= in_call + self.riders_ahead or behind

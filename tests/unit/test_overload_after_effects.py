@@ -171,13 +171,13 @@ def test_a_deadline_used_up_by_a_slowly_sent_head_is_408_and_one_used_up_waiting
     """The head's sending time (first byte to end of head) is the client's: when it alone used up the deadline the
     request is timed out like a slow body (408); a deadline used up after a quick head, waiting in the server, is
     the server's load (429, cause deadline, with Retry-After)."""
-    pipeline = stand_in_pipeline(Settings(), StandIn(1), StandIn(2))
+    settings = Settings()
+    pipeline = stand_in_pipeline(settings, StandIn(1), StandIn(2))
     now = time.monotonic()
     slow_head = arrival_of({ARRIVAL_KEY: now - 0.6, HEAD_END_KEY: now - 0.01}, None, 60_000)
     quick_head = arrival_of({ARRIVAL_KEY: now - 0.6, HEAD_END_KEY: now - 0.59}, None, 60_000)
     assert 585 <= slow_head.head_ms <= 595 and quick_head.head_ms <= 15
     assert arrival_of({ARRIVAL_KEY: now - 0.6}, None, 60_000).head_ms == 0.0  # not stamped: unknown, not the client's
-    settings = Settings()
     with pytest.raises(errors.RequestTimeout) as timed_out:
         pipeline.check_capacity(Deadline.sliced(300, slow_head, settings), "normal")
     assert timed_out.value.status == 408 and "head took" in str(timed_out.value)
