@@ -342,6 +342,10 @@ class AdmissionSettings(_Group):
     throughput_tau_ms: int = Field(5_000, gt=0, json_schema_extra={"flat": "throughput_tau_ms"},
                                    description="time constant of the measured throughput, in busy time (idle time "
                                    "does not count)")
+    low_priority_arrival: Literal["idle-only", "queue"] = Field(
+        "queue", description="what an `X-Priority: low` request finds while a normal or high one is queued: "
+        "`idle-only`, 429 `higher_priority_waiting`; `queue`, a place behind them, dispatched after them and the "
+        "first a full queue evicts ([planning.md](planning.md#the-low-priority-class-x-priority-low))")
 
 
 class RoutingSettings(_Group):

@@ -188,7 +188,7 @@ class Pipeline:
             primary.name, settings.primary.max_batch_size, settings.primary.concurrent_batches,
             settings.primary.queue_delay_ms, ThroughputMeter(settings.primary.throughput_ips, tau_s, share=1 / workers),
             workers=workers, mode=settings.admission_mode, prediction=settings.admission.prediction,
-            riders_ahead=settings.runners.low_priority_riders_ahead,
+            riders_ahead=settings.runners.low_priority_riders_ahead, low_arrival=settings.admission.low_priority_arrival,
         ), CircuitBreaker(
             window_s=settings.breaker.window_ms / 1000, min_calls=settings.breaker.min_calls,
             failure_rate=settings.breaker.failure_rate, open_s=settings.breaker.open_ms / 1000,

@@ -22,8 +22,8 @@ is in, ``reserve`` takes a ``Ticket``. A request is refused (``Shed``) when
 - the gate is full (``queue_full``); an arrival of a higher class instead evicts the
   newest queued request of the lowest class below it (low first, then, for a high
   arrival, normal), which is shed with ``evicted``;
-- it is of the ``low`` class and a request of a higher class is queued
-  (``higher_priority_waiting``): low work only takes capacity the others leave idle;
+- it is of the ``low`` class, a request of a higher class is queued and the gate's ``low_arrival`` is
+  ``idle-only`` (``higher_priority_waiting``); with ``queue``, the default, it waits behind them instead;
 - the predicted completion time exceeds what is left of its deadline
   (``predicted_late``): the images ahead of it and itself (rounded up to whole
   batches when a batch is full) times the measured time per image. The check is
@@ -35,10 +35,10 @@ The caller then tries the next model in the chain (see ``rampart.pipeline``).
 Waiting requests are dispatched high first, then normal, then low, each in arrival
 order; a request's prediction counts only the images ahead of it (dispatched, and
 queued at its class or higher), so queued low requests never make a normal one look
-late. The low class is bulk work that fills idle capacity: it is admitted only while
-no request of a higher class is queued, its queued tickets are the first a full
-gate evicts, and it is dispatched only while fewer than ``low_window`` images (a sixteenth of a batch
-share, at least one) are dispatched: a normal or high arrival finds at most that many images in
+late. The low class is bulk work that fills idle capacity: it waits behind every queued request of a
+higher class (or, with ``low_arrival`` ``idle-only``, is admitted only while none is queued), its queued
+tickets are the first a full gate evicts, and it is dispatched only while fewer than ``low_window`` images
+(a sixteenth of a batch share, at least one) are dispatched: a normal or high arrival finds at most that many images in
 the runner ahead of it, and the rest of the window (always more than a batch) is
 free for it, so a low item never holds a place a higher one could take. (Items
 already sent to the runner cannot be called back; the small low window is what
@@ -95,6 +95,10 @@ PREDICTIONS = ("meter", "service")
 #: The priority classes (``X-Priority``), highest first; a class's rank is its index (0 high, 1 normal, 2 low).
 PRIORITIES = ("high", "normal", "low")
 HIGH, NORMAL, LOW = range(3)
+#: What a low-priority arrival finds while a request of a higher class is queued (``AdmissionGate.low_arrival``):
+#: ``idle-only``, a refusal (``higher_priority_waiting``); ``queue``, a place behind them (dispatched after them,
+#: the first a full gate evicts).
+LOW_ARRIVALS = ("idle-only", "queue")
 
 
 def priority_rank(priority: str | bool | int) -> int:
@@ -384,14 +388,16 @@ class AdmissionGate:
     ``has_room(priority, budget_s)`` answers on arrival whether a request would get a place; ``reserve(priority,
     budget_s)``, once its body is in, returns a ``Ticket`` or raises ``Shed`` (both decide with ``refusal``);
     ``priority`` is a class of ``PRIORITIES`` (or a bool: True high, False normal);
-    ``async with ticket.turn():`` goes around the runner call. ``mode`` (``ADMISSION_MODES``)
+    ``async with ticket.turn():`` goes around the runner call. ``riders_ahead`` bounds riders (``carry``);
+    ``low_arrival`` (``LOW_ARRIVALS``) is what a low arrival finds behind a queued higher class. ``mode`` (``ADMISSION_MODES``)
     is ``full`` in production; ``queue-bound`` and ``off`` switch shedding off in part, for
     experiments (module doc).
     """
 
     def __init__(self, name: str, max_batch_size: int, concurrent_batches: int, queue_delay_ms: float,
                  meter: ThroughputMeter, workers: int = 1, mode: str = "full",
-                 service: ServiceTime | None = None, prediction: str = "meter", riders_ahead: int = 0) -> None:
+                 service: ServiceTime | None = None, prediction: str = "meter", riders_ahead: int = 0,
+                 low_arrival: str = "queue") -> None:
         if workers < 1:
             raise ValueError(f"workers must be at least 1, got {workers}")
         if mode not in ADMISSION_MODES:
@@ -400,6 +406,11 @@ class AdmissionGate:
             raise ValueError(f"prediction {prediction!r} is not one of {PREDICTIONS}")
         if riders_ahead < 0:
             raise ValueError(f"riders_ahead must be at least 0, got {riders_ahead}")
+        if low_arrival not in LOW_ARRIVALS:
+            raise ValueError(f"low_arrival {low_arrival!r} is not one of {LOW_ARRIVALS}")
+        #: What a low arrival finds while a request of a higher class is queued (``LOW_ARRIVALS``): ``idle-only``
+        #: refuses it (``higher_priority_waiting``), ``queue`` gives it a place behind them.
+        self.low_arrival = low_arrival
         #: Most higher-class images of other calls this worker may have dispatched (ahead of it in the runner) for
         #: waiting low tickets to ride in a call a higher class's image formed (``carry``).
         self.riders_ahead = riders_ahead
@@ -517,7 +528,7 @@ class AdmissionGate:
         ``predicted_late`` when its predicted completion (``predicted_s``) is past
         ``budget_s``, unless the gate is idle (the meter may be stale);
         ``higher_priority_waiting`` for a low request while a normal or high one is
-        queued; ``queue_full`` when ``window`` are dispatched and ``queue_limit``
+        queued, with ``low_arrival`` ``idle-only``; ``queue_full`` when ``window`` are dispatched and ``queue_limit``
         queued, unless a request of a lower class is queued (``reserve`` then evicts it).
         """
         rank = priority_rank(priority)
@@ -525,7 +536,7 @@ class AdmissionGate:
         idle = self.dispatched == 0 and self._ahead(rank) == 0
         if self.predicts and predicted > budget_s and not idle:  # an idle model always gets a try: the meter may be stale
             return Shed("predicted_late", f"{self.name}: predicted {predicted * 1000:.0f} ms > {budget_s * 1000:.0f} ms left")
-        if rank == LOW and self._ahead(NORMAL) > 0 and self.mode != "off":
+        if rank == LOW and self.low_arrival == "idle-only" and self._ahead(NORMAL) > 0 and self.mode != "off":
             return Shed("higher_priority_waiting",
                         f"{self.name}: {self._ahead(NORMAL)} requests of a higher class are queued; low priority "
                         "work only takes idle capacity")

@@ -16,10 +16,10 @@ from tests.support import encode, photo
 from tests.unit.standins import StandIn, stand_in_pipeline
 
 
-def gate(queue_delay_ms: float = 1) -> AdmissionGate:
+def gate(queue_delay_ms: float = 1, low_arrival: str = "queue") -> AdmissionGate:
     """Window 4 (two batches of 2), batch share 2, queue limit one batch (2) at 10 images/s."""
     return AdmissionGate("m", max_batch_size=2, concurrent_batches=1, queue_delay_ms=queue_delay_ms,
-                         meter=ThroughputMeter(override_ips=10))
+                         meter=ThroughputMeter(override_ips=10), low_arrival=low_arrival)
 
 
 async def _hold(gate: AdmissionGate, priority: str, release: asyncio.Event, order: list, budget_s: float = 60) -> str:
@@ -50,8 +50,8 @@ def test_low_is_dispatched_after_normal_and_high_queued_after_it():
     assert order[4:] == ["high", "normal", "low"]  # the low request queued first still went last
 
 
-def test_low_is_refused_while_a_higher_class_waits_and_never_counts_in_their_prediction():
-    g = gate(queue_delay_ms=1000)
+def test_with_low_arrival_idle_only_low_is_refused_while_a_higher_class_waits_and_never_counts_in_their_prediction():
+    g = gate(queue_delay_ms=1000, low_arrival="idle-only")
     g.dispatched = 4
     normal = g.reserve("normal", 60)
     with pytest.raises(Shed) as shed:
@@ -67,8 +67,45 @@ def test_low_is_refused_while_a_higher_class_waits_and_never_counts_in_their_pre
         ticket.cancel()
 
 
+def test_a_low_request_waits_behind_a_queued_normal_one_instead_of_being_refused():
+    async def scenario():
+        g = gate(queue_delay_ms=1000)  # queue limit 10; low_arrival "queue", the default
+        release, order = asyncio.Event(), []
+        held = [asyncio.create_task(_hold(g, "normal", release, order)) for _ in range(4)]  # fill the window
+        await asyncio.sleep(0.01)
+        normal = asyncio.create_task(_hold(g, "normal", release, order))  # queued
+        await asyncio.sleep(0.01)
+        assert g.refusal("low", 60) is None  # "idle-only" would refuse it: higher_priority_waiting
+        low = asyncio.create_task(_hold(g, "low", release, order))
+        await asyncio.sleep(0.01)
+        queued = g.queued_by_priority()
+        later = asyncio.create_task(_hold(g, "normal", release, order))  # arrives after the low one
+        await asyncio.sleep(0.01)
+        release.set()
+        return await asyncio.gather(*held, normal, low, later), order, queued
+
+    results, order, queued = asyncio.run(scenario())
+    assert queued == {"high": 0, "normal": 1, "low": 1}
+    assert results == ["served"] * 7
+    assert order[4:] == ["normal", "normal", "low"]  # queued behind both normal requests, the later one too
+
+
+def test_a_queued_low_request_is_still_the_first_a_full_gate_evicts():
+    g = gate()  # window 4 + queue limit 2; low_arrival "queue", the default
+    g.dispatched = 4
+    normal = g.reserve("normal", 60)
+    low = g.reserve("low", 60)  # a place behind the queued normal request: the gate is now full
+    with pytest.raises(Shed) as shed:
+        g.reserve("low", 60)
+    assert shed.value.reason == "queue_full"  # a low arrival never evicts
+    g.reserve("normal", 60)  # a normal arrival takes the low one's place
+    assert low.evicted and not normal.evicted
+    with pytest.raises(ValueError):
+        AdmissionGate("m", 2, 1, 1, ThroughputMeter(override_ips=10), low_arrival="always")
+
+
 def test_a_full_gate_evicts_the_newest_low_first_then_normal_for_high():
-    g = gate()  # window 4 + queue limit 2
+    g = gate(low_arrival="idle-only")  # window 4 + queue limit 2
     g.dispatched = 4
     old_low, new_low = g.reserve("low", 60), g.reserve("low", 60)
     normal = g.reserve("normal", 60)  # the gate was full: the newest low gave its place
