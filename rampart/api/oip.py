@@ -516,7 +516,9 @@ def request_options(request: Request, parameters: dict, settings: Settings, lag_
     headers (``X-Deadline-Ms``, ``X-Priority``), each read by the parser ``/classify`` uses.
 
     ``deadline`` is the one the headers gave; a ``deadline_ms`` or ``timeout`` parameter replaces it,
-    counted from the same arrival. ``InvalidParameter`` (422) for any value out of its range or type.
+    counted from the same arrival, and so does a ``priority`` parameter where no deadline was sent: the
+    class's own default then applies (``low_priority_deadline_ms`` for low, as for ``X-Priority: low``).
+    ``InvalidParameter`` (422) for any value out of its range or type.
     """
     view = _Parameters(request, parameters)
     top_k = http.parse_top_k(view)
@@ -526,6 +528,8 @@ def request_options(request: Request, parameters: dict, settings: Settings, lag_
         with _named_as_parameter("X-Deadline-Ms", "deadline_ms" if "deadline_ms" in parameters else
                                  "timeout (µs; the value shown is in ms)"):
             deadline = http.parse_deadline(view, settings, lag_ms, deadline.arrival)
+    elif "priority" in parameters:  # the class's default deadline, unless X-Deadline-Ms gave one (kept as is)
+        deadline = http.parse_deadline(view, settings, lag_ms, deadline.arrival)
     return top_k, priority, deadline
 
 

@@ -554,3 +554,26 @@ def test_a_top_k_parameter_replaces_every_top_k_of_the_query_and_without_it_two_
     assert oip.request_options(request, {"top_k": 2}, Settings(), 0.0, deadline)[0] == 2
     with pytest.raises(InvalidParameter, match="different values"):
         oip.request_options(request, {}, Settings(), 0.0, deadline)
+
+
+@pytest.mark.parametrize("level", ["low", 3])
+def test_a_low_priority_parameter_without_a_deadline_gets_the_low_class_default_deadline(level):
+    """``parameters.priority`` low with no deadline anywhere: the low class's default deadline, as ``X-Priority:
+    low`` gets, not the normal default the headers implied (an OIP low request sent that way was shed at about
+    1 s beside normal traffic where the header's got 10 s); a deadline sent in the header or as a parameter is kept."""
+    settings = Settings()
+    request = Request({"type": "http", "method": "POST", "path": "/v2/models/rampart/infer", "headers": [],
+                       "query_string": b""})
+    deadline = http.parse_deadline(request, settings)
+    assert deadline.budget_ms == settings.deadlines.default_deadline_ms
+    _, priority, low = oip.request_options(request, {"priority": level}, settings, 0.0, deadline)
+    assert priority == "low" and low.budget_ms == settings.deadlines.low_priority_deadline_ms
+    assert low.arrival is deadline.arrival  # counted from the same arrival
+    _, _, normal = oip.request_options(request, {"priority": "normal"}, settings, 0.0, deadline)
+    assert normal.budget_ms == settings.deadlines.default_deadline_ms
+    _, _, sent = oip.request_options(request, {"priority": level, "deadline_ms": 3000}, settings, 0.0, deadline)
+    assert sent.budget_ms == 3000
+    with_header = Request({"type": "http", "method": "POST", "path": "/v2/models/rampart/infer",
+                           "headers": [(b"x-deadline-ms", b"2500")], "query_string": b""})
+    header_deadline = http.parse_deadline(with_header, settings)
+    assert oip.request_options(with_header, {"priority": level}, settings, 0.0, header_deadline)[2].budget_ms == 2500
