@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Collection
@@ -59,6 +60,9 @@ __all__ = ["ARRIVAL_KEY", "HEAD_END_KEY", "FUTURE_SKEW_MS", "Arrival", "arrival_
 ARRIVAL_KEY = "rampart.first_byte_monotonic"
 #: ASGI scope key holding the ``time.monotonic()`` at which the request's head (request line and headers) ended.
 HEAD_END_KEY = "rampart.head_end_monotonic"
+#: ASGI scope key holding the request's id once it is known (``rampart.api.http.request_id_of``), so that the
+#: access line of a request whose client hung up names the id its handler used.
+REQUEST_ID_KEY = "rampart.request_id"
 #: ASGI scope key holding the request's ``hold(size) -> bool`` on the worker's budget of body bytes
 #: (``InflightBound``; read through ``hold_body_bytes``).
 HOLD_BODY_BYTES_KEY = "rampart.hold_body_bytes"
@@ -355,7 +359,8 @@ class InflightBound:
 
                 try:
                     if self.watch_hang_ups:  # a client that goes takes its request with it (rampart.hangup)
-                        await serve_until_hang_up(app, scope, receive_body, send, _count_client_gone)
+                        await serve_until_hang_up(app, scope, receive_body, send,
+                                                  lambda stage: _client_gone(scope, started, stage))
                     else:
                         await app(scope, receive_body, send)
                 except _BodyStop:
@@ -384,10 +389,44 @@ def hold_body_bytes(scope: dict, size: int) -> bool:
     return True if hold is None else hold(size)
 
 
-def _count_client_gone(stage: str) -> None:
-    from rampart.telemetry import metrics  # here: the decode workers import this module's callers too
+def _client_gone(scope: dict, started: float, stage: str) -> None:
+    """A request whose client hung up at ``stage`` (``rampart.hangup``): counted in ``rampart_client_gone_total``
+    and, unless its answer had started (``stage`` ``answer``: its handler wrote the access line), given an access
+    line as nginx logs 499: status 499, code ``client_disconnected``, its ``stage``, and ``duration_ms`` from
+    ``started`` (the event loop's clock when it was let in)."""
+    from rampart.overload.admission import PRIORITIES  # here: the decode workers import this module's callers too
+    from rampart.telemetry import metrics
+    from rampart.telemetry.accesslog import log_request
 
     metrics.CLIENT_GONE.labels(stage).inc()
+    if stage == "answer":
+        return
+    priority = (_header(scope, b"x-priority") or "").strip().lower()
+    log_request(request_id(scope), scope.get("path", ""), 499, "client_disconnected",
+                priority if priority in PRIORITIES else "normal",
+                (asyncio.get_running_loop().time() - started) * 1000.0, stage=stage)
+
+
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def request_id(scope: dict) -> str:
+    """The id of the request of ASGI ``scope``: its ``X-Request-Id`` when that is 1-128 safe characters, else a new
+    uuid4 hex; kept in the scope (``REQUEST_ID_KEY``), so every later call for the same request gives the same id
+    (``rampart.api.http.request_id_of`` reads it through this)."""
+    known = scope.get(REQUEST_ID_KEY)
+    if known is None:
+        given = _header(scope, b"x-request-id") or ""
+        scope[REQUEST_ID_KEY] = known = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+    return known
+
+
+def _header(scope: dict, name: bytes) -> str | None:
+    """The first value of header ``name`` (lower case) in the raw ASGI headers, decoded as Latin-1, or None."""
+    for key, value in scope.get("headers") or ():
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
 
 
 def _has_body(scope: dict) -> bool:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import uuid
 from typing import AsyncIterator, Awaitable, TypeVar
 
 from python_multipart.exceptions import FormParserError
@@ -17,7 +16,7 @@ from python_multipart.multipart import MultipartParser, MultipartState, parse_op
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from rampart.api.arrival import Arrival, arrival_of
+from rampart.api.arrival import Arrival, arrival_of, request_id
 from rampart.config import Settings
 from rampart.overload.admission import PRIORITIES
 from rampart.overload.deadline import Deadline, run_within
@@ -85,13 +84,12 @@ MAX_PART_HEADER_LINE_BYTES = 4096
 #: this 2-core host), so one slice holds the loop for about 2.5 ms.
 PARSE_SLICE_BYTES = 16 * 1024
 T = TypeVar("T")
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 def request_id_of(request: Request) -> str:
-    """``X-Request-Id`` when it is 1-128 safe characters, else a new uuid4 hex."""
-    given = request.headers.get("x-request-id", "")
-    return given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+    """``X-Request-Id`` when it is 1-128 safe characters, else a new uuid4 hex, the same for every call on one
+    request (``rampart.api.arrival.request_id``)."""
+    return request_id(request.scope)
 
 
 def parse_top_k(request: Request) -> int:

@@ -8,25 +8,27 @@ counts the requests that were dropped in ``rampart_client_gone_total``. Before t
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from urllib.parse import urlparse
 
-from tests.support import encode, photo
+from tests.support import encode, logged_lines, photo
 from tests.support.metrics import scrape
 
 HANG_UPS = 300
 
 
-def upload_then_hang_up(url: str, body: bytes, count: int) -> list[socket.socket]:
-    """``count`` sockets that each sent a whole ``POST /classify`` with ``body`` (not closed yet)."""
+def upload_then_hang_up(url: str, body: bytes, count: int, id_prefix: str = "hang-up-") -> list[socket.socket]:
+    """``count`` sockets that each sent a whole ``POST /classify`` with ``body`` and ``X-Request-Id``
+    ``<id_prefix><i>`` (not closed yet)."""
     address = urlparse(url)
-    head = (f"POST /classify HTTP/1.1\r\nHost: {address.hostname}\r\nContent-Type: image/jpeg\r\n"
-            f"X-Deadline-Ms: 5000\r\nContent-Length: {len(body)}\r\n\r\n").encode()
     sockets = []
-    for _ in range(count):
+    for i in range(count):
+        head = (f"POST /classify HTTP/1.1\r\nHost: {address.hostname}\r\nContent-Type: image/jpeg\r\n"
+                f"X-Deadline-Ms: 5000\r\nX-Request-Id: {id_prefix}{i}\r\nContent-Length: {len(body)}\r\n\r\n")
         client = socket.create_connection((address.hostname, address.port))
-        client.sendall(head + body)
+        client.sendall(head.encode() + body)
         sockets.append(client)
     return sockets
 
@@ -51,4 +53,11 @@ def test_a_mass_hang_up_gives_the_places_back_and_the_next_upload_gets_the_prima
     assert held >= 20, held  # the uploads held places before they hung up
     assert in_flight <= 3, (held, in_flight)  # back within 100 ms: the /stats request itself and a straggler
     time.sleep(1.0)  # the metrics files are read by the scrape
-    assert gone_total(server) - before >= 0.5 * held, (before, held)
+    gone = gone_total(server) - before
+    assert gone >= 0.5 * held, (before, held)
+    # Each stopped request has its access line, as nginx logs 499, with the id it was sent with.
+    lines = [json.loads(line) for line in logged_lines(server, '"hang-up-', count=HANG_UPS, timeout_s=2.0)]
+    stopped = [line for line in lines if line["status"] == 499]
+    assert len(stopped) >= 0.5 * held, (held, gone, len(lines))
+    assert all(line["code"] == "client_disconnected" and line["stage"] in ("decode", "queue", "model")
+               and line["path"] == "/classify" for line in stopped), stopped[:3]

@@ -205,3 +205,55 @@ def test_a_mass_hang_up_gives_every_admission_place_back_and_the_next_upload_get
     assert held >= 8, held  # the 40 uploads held the primary's places
     assert freed == 0 and counted == 40 and all(c.sent == [] for c in connections)
     assert answer["model"]["name"] == "primary" and answer["degraded_reason"] is None
+
+
+def test_a_request_whose_client_hung_up_gets_an_access_line_with_status_499_its_id_class_and_stage():
+    """As nginx logs 499: the hang-up is counted and written to the access log with the id its handler used
+    (``X-Request-Id`` absent: the id the handler made), its class (``X-Priority``) and where it waited."""
+    import json
+    import logging
+
+    from starlette.requests import Request
+
+    from rampart.api import http
+    from rampart.api.arrival import InflightBound
+
+    lines, ids = [], []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(json.loads(record.getMessage()))
+
+    async def app(scope, receive, send):
+        await read_body(receive)
+        ids.append(http.request_id_of(Request(scope)))  # what a handler does first
+        set_stage("queue")
+        await asyncio.sleep(3600)
+
+    async def refuse(scope, receive, send):
+        raise AssertionError("refused")
+
+    async def scenario():
+        bounded = InflightBound(lambda: 4, refuse, ["/classify"]).wrap(app)
+        connection = Connection()
+        request = {"type": "http", "method": "POST", "path": "/classify", "query_string": b"",
+                   "headers": [(b"x-priority", b"Low"), (b"content-length", b"1")]}
+        serving = asyncio.ensure_future(bounded(request, connection.receive, connection.send))
+        await asyncio.sleep(0.05)
+        before = gone_count("queue")
+        connection.hang_up()
+        await asyncio.wait_for(serving, 1.0)
+        return gone_count("queue") - before, connection
+
+    keep = Keep()
+    logging.getLogger("rampart.access").addHandler(keep)
+    try:
+        counted, connection = asyncio.run(scenario())
+    finally:
+        logging.getLogger("rampart.access").removeHandler(keep)
+    assert counted == 1 and connection.sent == []
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert (line["status"], line["code"], line["path"], line["priority"], line["stage"]) == (
+        499, "client_disconnected", "/classify", "low", "queue"), line
+    assert line["request_id"] == ids[0] and line["duration_ms"] >= 40, line
