@@ -54,14 +54,14 @@ from rampart.hangup import serve_until_hang_up
 
 __all__ = ["ARRIVAL_KEY", "HEAD_END_KEY", "FUTURE_SKEW_MS", "Arrival", "arrival_of", "parse_request_start", "bound_inflight",
            "behind_bound", "InflightBound", "HOLD_BODY_BYTES_KEY", "hold_body_bytes", "LARGE_BODY_SHARE",
-           "SLOW_WINDOW_MIN_S"]
+           "SLOW_WINDOW_MIN_S", "REQUEST_ID_KEY", "request_id"]
 
 #: ASGI scope key holding the ``time.monotonic()`` of the request's first byte.
 ARRIVAL_KEY = "rampart.first_byte_monotonic"
 #: ASGI scope key holding the ``time.monotonic()`` at which the request's head (request line and headers) ended.
 HEAD_END_KEY = "rampart.head_end_monotonic"
-#: ASGI scope key holding the request's id once it is known (``rampart.api.http.request_id_of``), so that the
-#: access line of a request whose client hung up names the id its handler used.
+#: ASGI scope key holding the request's id once it is known (``request_id``), so that the access line of a
+#: request whose client hung up names the id its handler used.
 REQUEST_ID_KEY = "rampart.request_id"
 #: ASGI scope key holding the request's ``hold(size) -> bool`` on the worker's budget of body bytes
 #: (``InflightBound``; read through ``hold_body_bytes``).

@@ -37,9 +37,9 @@ order; a request's prediction counts only the images ahead of it (dispatched, an
 queued at its class or higher), so queued low requests never make a normal one look
 late. The low class is bulk work that fills idle capacity: it waits behind every queued request of a
 higher class (or, with ``low_arrival`` ``idle-only``, is admitted only while none is queued), its queued
-tickets are the first a full gate evicts, and it is dispatched only while fewer than ``low_window`` images
-(a sixteenth of a batch share, at least one) are dispatched: a normal or high arrival finds at most that many images in
-the runner ahead of it, and the rest of the window (always more than a batch) is
+tickets are the first a full gate evicts, and it is dispatched only while fewer than ``low_window``
+images (a sixteenth of a batch share, at least one) are dispatched: a normal or high arrival finds at
+most that many images in the runner ahead of it, and the rest of the window (always more than a batch) is
 free for it, so a low item never holds a place a higher one could take. (Items
 already sent to the runner cannot be called back; the small low window is what
 keeps them out of a higher request's way.) A waiting low image may also ride in a call that a normal or high
@@ -389,9 +389,9 @@ class AdmissionGate:
     budget_s)``, once its body is in, returns a ``Ticket`` or raises ``Shed`` (both decide with ``refusal``);
     ``priority`` is a class of ``PRIORITIES`` (or a bool: True high, False normal);
     ``async with ticket.turn():`` goes around the runner call. ``riders_ahead`` bounds riders (``carry``);
-    ``low_arrival`` (``LOW_ARRIVALS``) is what a low arrival finds behind a queued higher class. ``mode`` (``ADMISSION_MODES``)
-    is ``full`` in production; ``queue-bound`` and ``off`` switch shedding off in part, for
-    experiments (module doc).
+    ``low_arrival`` (``LOW_ARRIVALS``) is what a low arrival finds behind a queued higher class.
+    ``mode`` (``ADMISSION_MODES``) is ``full`` in production; ``queue-bound`` and ``off`` switch shedding
+    off in part, for experiments (module doc).
     """
 
     def __init__(self, name: str, max_batch_size: int, concurrent_batches: int, queue_delay_ms: float,
