@@ -49,7 +49,8 @@ from starlette.requests import Request
 
 from rampart.api import oip
 from rampart.api.app import (answer_body_too_slow, attach, classify_batch_endpoint, classify_endpoint, create_app,
-                             refuse_before_admission, refuse_body_over_budget, route_error_answered, state_of)
+                             log_client_gone, refuse_before_admission, refuse_body_over_budget, route_error_answered,
+                             state_of)
 from rampart.api.arrival import bound_inflight
 from rampart.api.http import MULTIPART_OVERHEAD_BYTES
 from rampart.api.bentoml_api import (CLASSIFY_API_ROUTE, CLASSIFY_BATCH_API_ROUTE, CLASSIFY_BATCH_DOC, CLASSIFY_DOC,
@@ -220,7 +221,8 @@ class Rampart:
                        body_grace_s=settings.connections.body_grace_ms / 1000,
                        over_budget=refuse_body_over_budget(http_app),
                        max_held_bytes=settings.inputs.max_held_body_bytes,
-                       small_body_bytes=settings.inputs.max_body_bytes + MULTIPART_OVERHEAD_BYTES)
+                       small_body_bytes=settings.inputs.max_body_bytes + MULTIPART_OVERHEAD_BYTES,
+                       gone=log_client_gone)
         metrics.init_api_series()
         self.lifecycle = Lifecycle()
         self.shadow = None if not settings.shadow.model else ShadowMirror(

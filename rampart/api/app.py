@@ -380,6 +380,22 @@ def finished(request: Request, request_id: str, priority: str, started: float, s
                 result, **extra)
 
 
+def log_client_gone(scope: dict, stage: str, elapsed_s: float) -> None:
+    """The access line of a request whose client hung up at ``stage`` (``rampart.hangup``; told by the in-flight
+    bound, ``rampart.api.arrival.InflightBound``, ``elapsed_s`` seconds after it was let in), as nginx logs 499:
+    status 499, code ``client_disconnected``, its id, class and ``stage``. None once its answer had started
+    (``stage`` ``answer``): its handler has written its line."""
+    if stage == "answer":
+        return
+    request = Request(scope)
+    try:
+        priority = http.parse_priority(request)
+    except InvalidParameter:  # its handler answered 422, or would have
+        priority = "normal"
+    log_request(http.request_id_of(request), request.url.path, 499, "client_disconnected", priority,
+                elapsed_s * 1000.0, stage=stage)
+
+
 async def _answer_at_the_front(scope: dict, receive, send, error: RampartError, close: bool) -> None:
     """Answer ``error`` to the request with ASGI ``scope`` before any middleware: counted and logged as every answer,
     in the protocol's error form under ``/v2``; with ``close`` the connection closes after it (the rest of the body

@@ -45,7 +45,6 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-import uuid
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Collection
@@ -54,15 +53,12 @@ from rampart.hangup import serve_until_hang_up
 
 __all__ = ["ARRIVAL_KEY", "HEAD_END_KEY", "FUTURE_SKEW_MS", "Arrival", "arrival_of", "parse_request_start", "bound_inflight",
            "behind_bound", "InflightBound", "HOLD_BODY_BYTES_KEY", "hold_body_bytes", "LARGE_BODY_SHARE",
-           "SLOW_WINDOW_MIN_S", "REQUEST_ID_KEY", "request_id"]
+           "SLOW_WINDOW_MIN_S"]
 
 #: ASGI scope key holding the ``time.monotonic()`` of the request's first byte.
 ARRIVAL_KEY = "rampart.first_byte_monotonic"
 #: ASGI scope key holding the ``time.monotonic()`` at which the request's head (request line and headers) ended.
 HEAD_END_KEY = "rampart.head_end_monotonic"
-#: ASGI scope key holding the request's id once it is known (``request_id``), so that the access line of a
-#: request whose client hung up names the id its handler used.
-REQUEST_ID_KEY = "rampart.request_id"
 #: ASGI scope key holding the request's ``hold(size) -> bool`` on the worker's budget of body bytes
 #: (``InflightBound``; read through ``hold_body_bytes``).
 HOLD_BODY_BYTES_KEY = "rampart.hold_body_bytes"
@@ -180,7 +176,8 @@ class InflightBound:
     ``inflight`` is the number of requests in flight now, ``receiving`` those still receiving their body;
     ``refused`` counts refusals (at the head or when the body completed), ``cut`` the slow bodies cut.
     With ``watch_hang_ups`` each request runs under ``rampart.hangup.serve_until_hang_up``: when its
-    client goes, it stops and its places are given back at once.
+    client goes, it stops and its places are given back at once, and ``gone(scope, stage, seconds)`` is told
+    (Rampart: its access line, ``rampart.api.app.log_client_gone``).
 
     **Bytes held.** With ``over_budget`` and ``max_held_bytes`` > 0, the bytes the requests to ``paths`` hold
     at once are bounded: each body chunk as it arrives, and what a handler adds through
@@ -207,8 +204,10 @@ class InflightBound:
                  too_slow: Callable[[dict, Callable, Callable], Awaitable[None]] | None = None,
                  min_body_bytes_per_s: float = 0.0, body_grace_s: float = 0.0,
                  over_budget: Callable[[dict, Callable, Callable], Awaitable[None]] | None = None,
-                 max_held_bytes: int = 0, small_body_bytes: int = 0) -> None:
+                 max_held_bytes: int = 0, small_body_bytes: int = 0,
+                 gone: Callable[[dict, str, float], None] | None = None) -> None:
         self.limit = limit
+        self.gone = gone
         self.refuse = refuse
         self.paths = frozenset(paths)
         self.watch_hang_ups = watch_hang_ups
@@ -360,7 +359,7 @@ class InflightBound:
                 try:
                     if self.watch_hang_ups:  # a client that goes takes its request with it (rampart.hangup)
                         await serve_until_hang_up(app, scope, receive_body, send,
-                                                  lambda stage: _client_gone(scope, started, stage))
+                                                  lambda stage: self._client_gone(scope, started, stage))
                     else:
                         await app(scope, receive_body, send)
                 except _BodyStop:
@@ -376,6 +375,13 @@ class InflightBound:
             wrapped = self._wrapped[id(app)] = bounded
         return wrapped
 
+    def _client_gone(self, scope: dict, started: float, stage: str) -> None:
+        """A request whose client hung up at ``stage`` (``rampart.hangup``): counted in
+        ``rampart_client_gone_total``, then handed to ``gone(scope, stage, seconds since it was let in)``."""
+        _count_client_gone(stage)
+        if self.gone is not None:
+            self.gone(scope, stage, asyncio.get_running_loop().time() - started)
+
     def _stop_receiving(self, body: _Body) -> None:
         if body.receiving:
             body.receiving = False
@@ -389,44 +395,10 @@ def hold_body_bytes(scope: dict, size: int) -> bool:
     return True if hold is None else hold(size)
 
 
-def _client_gone(scope: dict, started: float, stage: str) -> None:
-    """A request whose client hung up at ``stage`` (``rampart.hangup``): counted in ``rampart_client_gone_total``
-    and, unless its answer had started (``stage`` ``answer``: its handler wrote the access line), given an access
-    line as nginx logs 499: status 499, code ``client_disconnected``, its ``stage``, and ``duration_ms`` from
-    ``started`` (the event loop's clock when it was let in)."""
-    from rampart.overload.admission import PRIORITIES  # here: the decode workers import this module's callers too
-    from rampart.telemetry import metrics
-    from rampart.telemetry.accesslog import log_request
+def _count_client_gone(stage: str) -> None:
+    from rampart.telemetry import metrics  # here: the decode workers import this module's callers too
 
     metrics.CLIENT_GONE.labels(stage).inc()
-    if stage == "answer":
-        return
-    priority = (_header(scope, b"x-priority") or "").strip().lower()
-    log_request(request_id(scope), scope.get("path", ""), 499, "client_disconnected",
-                priority if priority in PRIORITIES else "normal",
-                (asyncio.get_running_loop().time() - started) * 1000.0, stage=stage)
-
-
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
-
-
-def request_id(scope: dict) -> str:
-    """The id of the request of ASGI ``scope``: its ``X-Request-Id`` when that is 1-128 safe characters, else a new
-    uuid4 hex; kept in the scope (``REQUEST_ID_KEY``), so every later call for the same request gives the same id
-    (``rampart.api.http.request_id_of`` reads it through this)."""
-    known = scope.get(REQUEST_ID_KEY)
-    if known is None:
-        given = _header(scope, b"x-request-id") or ""
-        scope[REQUEST_ID_KEY] = known = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
-    return known
-
-
-def _header(scope: dict, name: bytes) -> str | None:
-    """The first value of header ``name`` (lower case) in the raw ASGI headers, decoded as Latin-1, or None."""
-    for key, value in scope.get("headers") or ():
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
 
 
 def _has_body(scope: dict) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import uuid
 from typing import AsyncIterator, Awaitable, TypeVar
 
 from python_multipart.exceptions import FormParserError
@@ -16,7 +17,7 @@ from python_multipart.multipart import MultipartParser, MultipartState, parse_op
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
-from rampart.api.arrival import Arrival, arrival_of, request_id
+from rampart.api.arrival import Arrival, arrival_of
 from rampart.config import Settings
 from rampart.overload.admission import PRIORITIES
 from rampart.overload.deadline import Deadline, run_within
@@ -84,12 +85,20 @@ MAX_PART_HEADER_LINE_BYTES = 4096
 #: this 2-core host), so one slice holds the loop for about 2.5 ms.
 PARSE_SLICE_BYTES = 16 * 1024
 T = TypeVar("T")
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+#: ASGI scope key holding the request's id once ``request_id_of`` has given it.
+REQUEST_ID_KEY = "rampart.request_id"
 
 
 def request_id_of(request: Request) -> str:
-    """``X-Request-Id`` when it is 1-128 safe characters, else a new uuid4 hex, the same for every call on one
-    request (``rampart.api.arrival.request_id``)."""
-    return request_id(request.scope)
+    """``X-Request-Id`` when it is 1-128 safe characters, else a new uuid4 hex; kept in the request's scope
+    (``REQUEST_ID_KEY``), so every call for the same request gives the same id (the handler's, and the access
+    line of a request whose client hung up, ``rampart.api.app.log_client_gone``)."""
+    known = request.scope.get(REQUEST_ID_KEY)
+    if known is None:
+        given = request.headers.get("x-request-id", "")
+        request.scope[REQUEST_ID_KEY] = known = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+    return known
 
 
 def parse_top_k(request: Request) -> int:

@@ -216,6 +216,7 @@ def test_a_request_whose_client_hung_up_gets_an_access_line_with_status_499_its_
     from starlette.requests import Request
 
     from rampart.api import http
+    from rampart.api.app import log_client_gone
     from rampart.api.arrival import InflightBound
 
     lines, ids = [], []
@@ -234,7 +235,7 @@ def test_a_request_whose_client_hung_up_gets_an_access_line_with_status_499_its_
         raise AssertionError("refused")
 
     async def scenario():
-        bounded = InflightBound(lambda: 4, refuse, ["/classify"]).wrap(app)
+        bounded = InflightBound(lambda: 4, refuse, ["/classify"], gone=log_client_gone).wrap(app)  # as service.py
         connection = Connection()
         request = {"type": "http", "method": "POST", "path": "/classify", "query_string": b"",
                    "headers": [(b"x-priority", b"Low"), (b"content-length", b"1")]}
