@@ -100,7 +100,8 @@ def beside_normal(base_url: str, bodies: list[bytes], phase_rounds: int = PHASE_
     c_p = capacity_answers / capacity_s
     rate = NORMAL_SHARE * c_p
     # Warm the scenario itself, uncounted: the first phase with the low stream ran slower than the later ones (the
-    # first round's P99 ratio had a median of 1.21 over 69 runs, 1.04-1.14 for each later round).
+    # first round's P99 ratio had a median of 1.21 over 69 runs, 1.04-1.14 for each later round; with this phase
+    # still 1.20 over 26 runs, against 1.02-1.08: docs/planning.md, "Measuring it at 0.8 C_p").
     run_sync(side_by_side(url, bodies, max(rate, 0.5), min(phase_s, WARM_BESIDE_S), seed=-1, low=True))
     alone, beside, low, round_ratios, round_rates = [], [], [], [], []
     capacity_in_rounds = low_in_phase = low_with_drain = 0
