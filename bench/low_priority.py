@@ -105,6 +105,7 @@ def beside_normal(base_url: str, bodies: list[bytes], phase_rounds: int = PHASE_
     run_sync(side_by_side(url, bodies, max(rate, 0.5), min(phase_s, WARM_BESIDE_S), seed=-1, low=True))
     alone, beside, low, round_ratios, round_rates = [], [], [], [], []
     capacity_in_rounds = low_in_phase = low_with_drain = 0
+    c_p_so_far = c_p
     riders_before = _riders(base_url)
     for i in range(phase_rounds):
         capacity_round = run_sync(closed_loop(url, bodies, CAPACITY_CLIENTS, capacity_round_s))
@@ -112,7 +113,8 @@ def beside_normal(base_url: str, bodies: list[bytes], phase_rounds: int = PHASE_
         # Normal traffic at NORMAL_SHARE of C_p measured so far, this round's included: on the shared host the
         # first measurement alone was 20-25% off the rounds' own C_p in some runs, which put normal traffic
         # anywhere from 0.64 to 0.97 C_p, and both goals' figures with it.
-        rate = NORMAL_SHARE * (capacity_answers + capacity_in_rounds) / (capacity_s + (i + 1) * capacity_round_s)
+        c_p_so_far = (capacity_answers + capacity_in_rounds) / (capacity_s + (i + 1) * capacity_round_s)
+        rate = NORMAL_SHARE * c_p_so_far
         round_rates.append(round(rate, 1))
         phases = (False, True) if i % 2 == 0 else (True, False)  # without the low stream first, then with it first
         measured = {low_stream: run_sync(side_by_side(url, bodies, max(rate, 0.5), phase_s, seed=i, low=low_stream))
@@ -129,11 +131,10 @@ def beside_normal(base_url: str, bodies: list[bytes], phase_rounds: int = PHASE_
     p99_alone = summarize(alone, seconds)["p99_ms"]
     p99_beside = summarize(beside, seconds)["p99_ms"]
     c_p_in_rounds = capacity_in_rounds / (phase_rounds * capacity_round_s)
-    c_p_all = (capacity_answers + capacity_in_rounds) / (capacity_s + phase_rounds * capacity_round_s)
     normal_rate = in_time_by_primary(beside) / seconds
     low_rate = low_in_phase / seconds
     idle = max(c_p_in_rounds - normal_rate, 1e-9)
-    report = {"c_p": round(c_p, 1), "c_p_in_rounds": round(c_p_in_rounds, 1), "c_p_all": round(c_p_all, 1),
+    report = {"c_p": round(c_p, 1), "c_p_in_rounds": round(c_p_in_rounds, 1), "c_p_all": round(c_p_so_far, 1),
               "normal_rate": round(normal_rate, 1), "normal_rate_offered_by_round": round_rates,
               "low_rps": round(low_rate, 1), "low_over_idle": round(low_rate / idle, 2),
               "low_over_idle_with_drain": round(low_with_drain / seconds / idle, 2),
@@ -145,7 +146,7 @@ def beside_normal(base_url: str, bodies: list[bytes], phase_rounds: int = PHASE_
               "low_riders": None if riders_before is None else riders_after - riders_before,
               "normal_alone": summarize(alone, seconds), "normal_beside": summarize(beside, seconds),
               "low": summarize(low, seconds)}
-    return report, {"alone": alone, "beside": beside, "low": low, "c_p": c_p_all}
+    return report, {"alone": alone, "beside": beside, "low": low, "c_p": c_p_so_far}
 
 
 def plot(rows: list[dict], path: Path, setting: str = SETTING) -> None:

@@ -48,7 +48,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from rampart.inputs.decode_cost import DEFAULT_MAX_CHUNKS, DEFAULT_MAX_JPEG_SCANS
-from rampart.overload.admission import ADMISSION_MODES
+from rampart.overload.admission import ADMISSION_MODES, LOW_ARRIVALS, PREDICTIONS
 from rampart.results import CONFIDENCE_KINDS
 
 ENV_PREFIX = "RAMPART_"
@@ -335,14 +335,14 @@ class AdmissionSettings(_Group):
 
     # "meter", images ahead x the busy-time meter's time per image; "service", the runner's own compute per image
     # plus a measured travel time (ServiceTime). "meter" by default (docs/overload.md, "Predicting completion").
-    prediction: Literal["meter", "service"] = Field("meter", description="how a gate predicts completion: `meter`, "
-                                                    "images ahead × the measured time per image; `service`, a call's "
-                                                    "measured travel time + images ahead × the runner's own compute "
-                                                    "per image ([overload.md](overload.md), \"Predicting completion\")")
+    prediction: Literal[PREDICTIONS] = Field(  # type: ignore[valid-type]  # "meter" or "service"
+        "meter", description="how a gate predicts completion: `meter`, images ahead × the measured time per image; "
+        "`service`, a call's measured travel time + images ahead × the runner's own compute per image "
+        "([overload.md](overload.md), \"Predicting completion\")")
     throughput_tau_ms: int = Field(5_000, gt=0, json_schema_extra={"flat": "throughput_tau_ms"},
                                    description="time constant of the measured throughput, in busy time (idle time "
                                    "does not count)")
-    low_priority_arrival: Literal["idle-only", "queue"] = Field(
+    low_priority_arrival: Literal[LOW_ARRIVALS] = Field(  # type: ignore[valid-type]  # "idle-only" or "queue"
         "queue", description="what an `X-Priority: low` request finds while a normal or high one is queued: "
         "`idle-only`, 429 `higher_priority_waiting`; `queue`, a place behind them, dispatched after them and the "
         "first a full queue evicts ([planning.md](planning.md#the-low-priority-class-x-priority-low))")
