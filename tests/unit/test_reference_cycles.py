@@ -15,14 +15,20 @@ import contextvars
 import gc
 import types
 import weakref
+from pathlib import Path
 
 import pytest
 from starlette.requests import Request
 
+import rampart
 from rampart.hangup import serve_until_hang_up
 from rampart.overload.admission import Shed
 from rampart.overload.deadline import run_within
 from tests.unit.standins import CAT, COFFEE, fill
+
+#: The folder of Rampart's package, with a trailing separator: a frame of a file under it is Rampart's code. A
+#: path merely containing "/rampart/" is not: a clone at ``…/rampart/`` has its virtualenv's libraries under it.
+RAMPART_SOURCE = str(Path(rampart.__file__).parent) + "/"
 
 
 @pytest.fixture
@@ -124,9 +130,9 @@ def rampart_objects_in_cycles() -> list[str]:
     def ours(item) -> str | None:
         if isinstance(item, types.FrameType):
             name = item.f_code.co_filename
-            return f"frame {name.rsplit('/', 1)[-1]}:{item.f_code.co_name}" if "/rampart/" in name else None
+            return f"frame {Path(name).name}:{item.f_code.co_name}" if name.startswith(RAMPART_SOURCE) else None
         module = type(item).__module__ or ""
-        return f"{module}.{type(item).__qualname__}" if module.startswith("rampart") else None
+        return f"{module}.{type(item).__qualname__}" if module.split(".")[0] == "rampart" else None
 
     def in_cycle(start) -> bool:
         seen, todo = {id(start)}, [start]
