@@ -18,7 +18,8 @@ time and memory:
 4. ``load()`` forces the decode here, so truncated or corrupt data fails in this
    function and nowhere later (``LOAD_TRUNCATED_IMAGES`` stays off). A small, plain
    8-bit RGB PNG is decoded by libspng instead (``rampart.inputs.plain_png``: the
-   same pixels at about 0.6× the CPU); whatever libspng refuses goes to Pillow;
+   same pixels at about 0.6× the CPU); whatever libspng refuses goes to Pillow, and a PNG that
+   Pillow decodes must yield every row its header declares (``rampart.inputs.png_rows``);
 5. every mode becomes 8-bit RGB at the reduced size (``shrink_to_rgb``): the rest of
    the shrink is an integer box filter (``Image.reduce``), and a frame that is not
    RGB is converted strip by strip, so the transient memory of any mode stays within
@@ -64,6 +65,7 @@ from rampart.errors import (
     UnsupportedFormat,
 )
 from rampart.inputs.plain_png import decode_plain_rgb_png, is_plain_rgb_png
+from rampart.inputs.png_rows import last_row_written, yields_every_row
 from rampart.inputs.recovery import repair
 
 __all__ = ["DecodeLimits", "DecodedImage", "ShrinkRule", "SUPPORTED_FORMATS", "sniff_format", "decode_image",
@@ -275,6 +277,8 @@ def _decode(data: bytes, fmt: str, limits: DecodeLimits, shrink: ShrinkRule) -> 
             if fast is not None:
                 image = fast
             image.load()  # what libspng did not decode (a no-op for what is already loaded)
+            if fmt == "PNG" and fast is None:  # libspng refuses a short IDAT stream itself; Pillow does not
+                _check_png_rows(data, image)
         rgb = shrink_to_rgb(image, int(factor * image.size[0] / declared[0]), limits.alpha_background)
         for transpose in _ORIENTATION_FIX.get(orientation, ()):
             rgb = rgb.transpose(transpose)
@@ -284,6 +288,16 @@ def _decode(data: bytes, fmt: str, limits: DecodeLimits, shrink: ShrinkRule) -> 
         raise CorruptImage(f"the {fmt} data is truncated or corrupt: {type(exc).__name__}: {_decoder_message(exc)}") from exc
     return DecodedImage(image=rgb, format=fmt, declared_size=declared, warnings=frame_warnings,
                         upright_size=upright)
+
+
+def _check_png_rows(data: bytes, image: Image.Image) -> None:
+    """Raise ``CorruptImage`` when the PNG ``data``, decoded by Pillow into ``image``, did not yield every row:
+    Pillow leaves rows after a zlib stream that ends early as zeros (``rampart.inputs.png_rows``)."""
+    if not image.info.get("interlace") and last_row_written(image):
+        return
+    if not yields_every_row(data):
+        raise CorruptImage("the PNG data is truncated or corrupt: its IDAT stream does not yield every row "
+                           "(pixel data is missing)")
 
 
 #: An object's default repr inside a decoder's message ("cannot identify image file <_io.BytesIO object at 0x7f…>").

@@ -37,12 +37,11 @@ import numpy as np
 import pyspng
 from PIL import Image
 
+from rampart.inputs.png_rows import png_header
+
 __all__ = ["is_plain_rgb_png", "decode_plain_rgb_png"]
 
-_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _CHUNK_HEAD = struct.Struct(">I4s")
-#: IHDR's data: width, height (px), bit depth, colour type, compression, filter, interlace method.
-_IHDR = struct.Struct(">IIBBBBB")
 _COLOUR_TYPE_RGB = 2
 _REFUSING_CHUNKS = frozenset({b"tRNS", b"acTL"})
 
@@ -53,12 +52,10 @@ def is_plain_rgb_png(data: bytes) -> bool:
     Walks every chunk head (8 bytes each) to ``IEND``; the caller has already bounded their
     number (``rampart.inputs.decode_cost``). Malformed structure gives False, never an error.
     """
-    if not data.startswith(_SIGNATURE) or len(data) < 8 + 8 + _IHDR.size:
+    ihdr = png_header(data)
+    if ihdr is None:
         return False
-    length, kind = _CHUNK_HEAD.unpack_from(data, 8)
-    if kind != b"IHDR" or length != _IHDR.size:
-        return False
-    _, _, depth, colour, _, _, interlace = _IHDR.unpack_from(data, 16)
+    _, _, depth, colour, interlace = ihdr
     if depth != 8 or colour != _COLOUR_TYPE_RGB or interlace != 0:
         return False
     position, after_pixels = 8, False

@@ -157,9 +157,41 @@ def stray_marker_mid_scan(name: str) -> bytes:
     return data[:middle] + b"\xff\xb3" + data[middle:]
 
 
+#: The PNG images of ``png_short_stream``: colour type, bit depth and the photo's samples in that layout.
+PNG_LAYOUTS = ("rgb", "palette", "rgba", "gray16", "interlaced_rgb")
+
+
+def png_raw_rows(pixels, interlace: bool) -> bytes:
+    """A PNG's image data before compression: each row a filter byte (0, none) and its samples; for Adam7, the
+    rows of each of the seven passes' sub-images in turn. ``pixels``: an (H, W[, C]) array of big-endian samples."""
+    passes = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2), (0, 1, 1, 2))
+    images = [pixels[y0::dy, x0::dx] for x0, y0, dx, dy in passes] if interlace else [pixels]
+    return b"".join(b"\0" + row.tobytes() for image in images if image.size for row in image)
+
+
+@functools.lru_cache(maxsize=None)
+def png_short_stream(layout: str, kept: float = 1.0) -> bytes:
+    """Chelsea as a PNG of ``layout`` (``PNG_LAYOUTS``) whose zlib stream carries only the first ``kept`` (0..1)
+    of the image data its IHDR declares, and ends cleanly there (Adler-32, IEND: a whole file but for the rows)."""
+    import numpy as np
+
+    image = Image.fromarray(CHELSEA).convert({"palette": "P", "rgba": "RGBA", "gray16": "L"}.get(layout, "RGB"))
+    pixels = np.asarray(image)
+    if layout == "gray16":
+        pixels = (pixels.astype(">u2") * 257)
+    colour, depth = {"rgb": (2, 8), "interlaced_rgb": (2, 8), "palette": (3, 8), "rgba": (6, 8), "gray16": (0, 16)}[layout]
+    raw = png_raw_rows(pixels, layout == "interlaced_rgb")
+    header = struct.pack(">IIBBBBB", image.width, image.height, depth, colour, 0, 0, int(layout == "interlaced_rgb"))
+    palette = png_chunk(b"PLTE", bytes(image.getpalette()[:768])) if layout == "palette" else b""
+    return (b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header) + palette
+            + png_chunk(b"IDAT", zlib.compress(raw[: round(len(raw) * kept)])) + png_chunk(b"IEND", b""))
+
+
 TRUNCATED: list[tuple[str, bytes]] = [
     *[(f"{name}-{round(missing * 100)}%_missing", cut(name, missing))
       for name in ("jpeg", "progressive_jpeg", "png", "gif", "webp", "bmp", "tiff") for missing in (0.1, 0.5, 0.9)],
     ("progressive_jpeg-cut_after_first_scan", progressive_cut_after_first_scan()),
     *[(f"{name}-stray_marker_mid_scan", stray_marker_mid_scan(name)) for name in ("jpeg", "progressive_jpeg")],
+    *[(f"png_{layout}-stream_ends_{round(kept * 100)}%_in", png_short_stream(layout, kept))
+      for layout in PNG_LAYOUTS for kept in (0.1, 0.6, 0.99)],
 ]
