@@ -250,6 +250,7 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._trailer_bytes = 0  # bytes of reads that ended inside the trailer section of this message
         self._previous_cycle: RequestResponseCycle | None = None  # the cycle before the newest (self.cycle)
         self._answered_early = False  # the answer in progress started while its request's body was arriving
+        self._unfinished_cycles: list[RequestResponseCycle] = []  # this connection's cycles, the answered pruned
         self.timeout_keep_alive = self.keep_alive_timeout_s
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -257,7 +258,15 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         self._head_timer = self.loop.call_later(self.head_timeout_s, self._head_timed_out)
 
     def connection_lost(self, exc: Exception | None) -> None:
+        """uvicorn's, and every unfinished cycle of the connection is told its client is gone, not only the
+        newest (``self.cycle``): with pipelined requests the one being answered is older, and it went on writing
+        into the closed transport (on uvloop a ``RuntimeError``, logged as "Exception in ASGI application")."""
         self._cancel_head_timer()
+        for cycle in self._unfinished_cycles:
+            if not cycle.response_complete:
+                cycle.disconnected = True
+                cycle.message_event.set()
+        self._unfinished_cycles.clear()
         super().connection_lost(exc)
 
     def eof_received(self) -> bool | None:
@@ -333,6 +342,8 @@ class HeadLimitedProtocol(HttpToolsProtocol):
         if self.cycle is not self._previous_cycle:  # uvicorn made this request's cycle (its task not yet run)
             self.cycle.__class__ = EarlyAnswerCycle
             self.cycle.on_early_answer = self._close_after_answer
+            self._unfinished_cycles = [cycle for cycle in self._unfinished_cycles if not cycle.response_complete]
+            self._unfinished_cycles.append(self.cycle)
         if len(self.pipeline) > MAX_PIPELINED_REQUESTS:
             self._stop_pipelining()
 

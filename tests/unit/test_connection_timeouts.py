@@ -46,9 +46,10 @@ async def hello(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": b"ok"})
 
 
-def serving(test, app=hello, protocol=None):
+def serving(test, app=hello, protocol=None, loop_factory=None):
     """Run ``test(port)`` against a uvicorn server of ``app`` with ``protocol`` (default ``FastProtocol``) on
-    127.0.0.1; stop it after."""
+    127.0.0.1, in an event loop from ``loop_factory`` (default asyncio's; ``uvloop.new_event_loop`` is what
+    ``bentoml serve`` runs); stop it after."""
 
     async def run() -> None:
         FastProtocol.made.clear()
@@ -66,7 +67,8 @@ def serving(test, app=hello, protocol=None):
             server.should_exit = True
             await serving_task
 
-    asyncio.run(run())
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(run())
 
 
 async def closed_after(reader: asyncio.StreamReader) -> float:
@@ -449,3 +451,36 @@ def test_an_answers_head_is_written_with_its_body_in_one_write():
         await (slow_stream if scope["path"] == "/stream" else hello)(scope, receive, send)
 
     serving(test, app, protocol=RecordingProtocol)
+
+
+async def large_answer(scope, receive, send) -> None:
+    body = b"x" * (1 << 20)
+    await asyncio.sleep(0.05)  # as /metrics, which collects in a worker thread
+    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def test_answers_queued_on_a_connection_the_client_closed_are_dropped_without_an_error(capfd):
+    """A client pipelines requests for large answers, never reads them and closes. uvicorn marks only its newest
+    request's cycle as disconnected, so the answer being written went on writing: on uvloop, into a closed
+    transport, a ``RuntimeError`` and an "Exception in ASGI application" traceback each time. Every unfinished
+    cycle of the connection now ends quietly, and the server answers the next connection."""
+    import uvloop
+
+    async def test(port: int) -> None:
+        client = socket.create_connection(("127.0.0.1", port))
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # the answers back up in the server
+        client.sendall(REQUEST * 5)
+        await asyncio.sleep(0.1)
+        client.close()
+        await asyncio.sleep(0.3)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(REQUEST)
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        await asyncio.wait_for(reader.readexactly(1 << 20), 5)
+        writer.close()
+        assert head.startswith(b"HTTP/1.1 200")
+
+    serving(test, large_answer, loop_factory=uvloop.new_event_loop)
+    logged = capfd.readouterr().err
+    assert "Exception in ASGI application" not in logged and "Traceback" not in logged, logged
