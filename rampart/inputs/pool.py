@@ -285,7 +285,10 @@ class _Process:
         _send(self.conn, _JOB, (fn, args), keys)
         _, (status, value) = _receive(self.conn)
         if status == "error":
-            raise value
+            try:
+                raise value
+            finally:
+                value = None  # the exception's traceback holds this frame: no cycle through ``value``
         return value
 
     def kill(self) -> bool:
@@ -464,6 +467,9 @@ class BoundedPool:
                 run_end = (started_at[0] if started_at else time.monotonic()) + run_limit_s
                 asyncio.get_running_loop().call_later(max(run_end - time.monotonic(), 0.0), self._abandon, future)
             raise
+        except Exception:  # what the job raised (a refused upload): its traceback holds this frame, whose futures
+            future = result = done = None  # hold it: a cycle that kept the upload until a full collection
+            raise
         self._abandon(future)
         ran_s = now - (started_at[0] if started_at else submitted)
         raise JobTimeout(ran_s, by_run_limit=run_end <= budget_end)
@@ -504,6 +510,9 @@ class BoundedPool:
                 future.set_result(outcome[1])
             elif outcome is not None:
                 future.set_exception(outcome[1])
+            # An exception's traceback holds this frame, which would hold the exception (a cycle), and the job's
+            # arguments (the upload) would stay held until the next job.
+            job = future = fn = args = outcome = None
             if abandoned:  # killed on purpose, perhaps just after it answered: start a fresh one
                 self._replace(slot)
 
