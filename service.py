@@ -63,6 +63,7 @@ from rampart.compat import apply_all
 from rampart.compat.bentoml_wire import runner_address
 from rampart.config import get_settings
 from rampart.cores import place_this_process
+from rampart.heap import IdleTrim
 from rampart.inputs.buckets import buckets_for_resolution
 from rampart.overload.looplag import LoopLagMonitor
 from rampart.coalesce import Boarding, Coalescer
@@ -215,6 +216,7 @@ class Rampart:
             decode_pool(settings),
         )
         self.loop_lag = LoopLagMonitor()
+        self.heap_trim = IdleTrim(settings.inputs.held_body_heap_trim_idle_s)  # the heap large bodies leave
         bound_inflight(self.pipeline.inflight_limit, refuse_before_admission(http_app), ADMITTED_ROUTES,
                        watch_hang_ups=settings.connections.cancel_on_hang_up, too_slow=answer_body_too_slow(http_app),
                        min_body_bytes_per_s=settings.connections.min_body_bytes_per_s,
@@ -222,7 +224,8 @@ class Rampart:
                        over_budget=refuse_body_over_budget(http_app),
                        max_held_bytes=settings.inputs.max_held_body_bytes,
                        small_body_bytes=settings.inputs.max_body_bytes + MULTIPART_OVERHEAD_BYTES,
-                       gone=log_client_gone)
+                       gone=log_client_gone, heap_trim=self.heap_trim)
+        self.heap_trim.start()
         metrics.init_api_series()
         self.lifecycle = Lifecycle()
         self.shadow = None if not settings.shadow.model else ShadowMirror(

@@ -175,6 +175,10 @@ class InputSettings(_Group):
                                      "pass it gets 429 `overloaded` (unless it is the only one holding any), and "
                                      "one larger than a single `/classify` upload may fill only three quarters "
                                      "of it, leaving the rest to single uploads ([api.md](api.md#bodies-held-at-once))")
+    held_body_heap_trim_idle_s: float = Field(2.0, ge=0.0, description="an API worker gives the freed C heap that "
+                                              "large request bodies (1 MiB or more each) left back to the system "
+                                              "once no such request has ended for this long (glibc "
+                                              "`malloc_trim`); 0: never")
 
     @field_validator("alpha_background")
     @classmethod

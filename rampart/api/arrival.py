@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from typing import Awaitable, Callable, Collection
 
 from rampart.hangup import serve_until_hang_up
+from rampart.heap import IdleTrim
 
 __all__ = ["ARRIVAL_KEY", "HEAD_END_KEY", "FUTURE_SKEW_MS", "Arrival", "arrival_of", "parse_request_start", "bound_inflight",
            "behind_bound", "InflightBound", "HOLD_BODY_BYTES_KEY", "hold_body_bytes", "LARGE_BODY_SHARE",
@@ -65,6 +66,9 @@ HOLD_BODY_BYTES_KEY = "rampart.hold_body_bytes"
 #: The share of the budget of body bytes (``max_held_body_bytes``) that requests holding more than one
 #: upload's worth (``small_body_bytes``) may fill together; the rest stays for single uploads.
 LARGE_BODY_SHARE = 0.75
+#: A request that held at least this many body bytes leaves freed heap behind (``InflightBound``, "The heap they
+#: leave"): glibc serves smaller blocks from its heap and reuses them, so a body under it leaves nothing to give back.
+HEAP_TRIM_BODY_BYTES = 1 << 20
 #: The shortest window over which a body's recent bytes decide whether it is slow ("Slow holders give way").
 SLOW_WINDOW_MIN_S = 1.0
 #: Chunks of one body that arrive within this many seconds of each other are noted as one (``_Body.recent``
@@ -197,6 +201,12 @@ class InflightBound:
     (``too_slow``: 408, connection closed; ``slow_cut_for_room`` counts them), slowest first, as many as it
     takes for the chunk to fit; their bytes leave the budget at once. If cutting all of them would not make
     room, none is cut and the chunk is refused as before. Without contention for the budget nothing changes.
+
+    **The heap they leave.** glibc keeps what large bodies freed (its mmap threshold rises to the largest
+    block freed, up to 32 MiB, so later ones come from the heap): after bursts of 19 MB uploads an API worker
+    stayed at 482 MiB RSS, against 106 before and 178 once trimmed. With ``heap_trim`` (``rampart.heap.IdleTrim``)
+    each request that held at least ``HEAP_TRIM_BODY_BYTES`` marks work when it ends, so the heap is given
+    back once no such request has ended for ``heap_trim.idle_s``.
     """
 
     def __init__(self, limit: Callable[[], int], refuse: Callable[[dict, Callable, Callable], Awaitable[None]],
@@ -205,8 +215,9 @@ class InflightBound:
                  min_body_bytes_per_s: float = 0.0, body_grace_s: float = 0.0,
                  over_budget: Callable[[dict, Callable, Callable], Awaitable[None]] | None = None,
                  max_held_bytes: int = 0, small_body_bytes: int = 0,
-                 gone: Callable[[dict, str, float], None] | None = None) -> None:
+                 gone: Callable[[dict, str, float], None] | None = None, heap_trim: IdleTrim | None = None) -> None:
         self.limit = limit
+        self.heap_trim = heap_trim
         self.gone = gone
         self.refuse = refuse
         self.paths = frozenset(paths)
@@ -366,6 +377,8 @@ class InflightBound:
                     pass
                 finally:
                     self._stop_receiving(body)
+                    if self.heap_trim is not None and body.held >= HEAP_TRIM_BODY_BYTES:
+                        self.heap_trim.worked()
                     self.held -= body.held
                     self._holders.pop(id(body), None)
                     if body.admitted:

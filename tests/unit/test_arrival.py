@@ -11,7 +11,9 @@ import asyncio
 
 import pytest
 
-from rampart.api.arrival import RECEIVING_PER_INFLIGHT_PLACE, SLOW_WINDOW_MIN_S, InflightBound, hold_body_bytes
+from rampart.api.arrival import (HEAP_TRIM_BODY_BYTES, RECEIVING_PER_INFLIGHT_PLACE, SLOW_WINDOW_MIN_S, InflightBound,
+                                 hold_body_bytes)
+from rampart.heap import IdleTrim
 
 
 def answer(status: int):
@@ -318,3 +320,28 @@ def test_front_routes_answer_their_paths_and_are_asked_for_until_the_app_can_tel
         arrival.route_at_front(None)
     assert answered == ["app", "app", "front", "app", "front"]
     assert asked == [served] * 3  # asked until it could tell, then never again
+
+
+def test_a_request_that_held_a_large_body_marks_the_heap_trim_when_it_ends_and_a_small_one_does_not():
+    """The heap that large bodies leave is given back once no such request has ended for a while (``IdleTrim``):
+    each request holding at least ``HEAP_TRIM_BODY_BYTES`` marks work when it ends; smaller ones never do."""
+    trims: list[float] = []
+    clock = [0.0]
+    heap_trim = IdleTrim(2.0, release=lambda: trims.append(clock[0]), clock=lambda: clock[0])
+
+    async def scenario(size: int) -> int | None:
+        bound, release, _, app = bound_with(limit=4)
+        bound.heap_trim = heap_trim
+        release.set()
+        client = Client([b"x" * (size // 4)] * 4)
+        await asyncio.wait_for(app(scope(size), client.receive, client.send), 2.0)
+        return client.status
+
+    assert asyncio.run(scenario(HEAP_TRIM_BODY_BYTES - 4)) == 200
+    clock[0] = 10.0
+    assert not heap_trim.check() and trims == []  # a small body left nothing to trim
+    assert asyncio.run(scenario(HEAP_TRIM_BODY_BYTES)) == 200
+    clock[0] = 11.0
+    assert not heap_trim.check()  # a large one ended a second ago: not idle yet
+    clock[0] = 12.5
+    assert heap_trim.check() and trims == [12.5]
