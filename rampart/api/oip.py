@@ -82,6 +82,7 @@ from rampart.api import http
 from rampart.api.arrival import hold_body_bytes
 from rampart.api.http import JsonResponse
 from rampart.config import Settings
+from rampart.inputs.pool import BoundedPool, JobTimeout, WorkerDied
 from rampart.overload.deadline import Deadline, run_within
 from rampart.errors import (DeadlineTooShort, EmptyBody, ImageTooLarge, InternalError, InvalidParameter, MethodNotAllowed,
                             PayloadTooLarge, RampartError, RequestTimeout, UnsupportedFormat)
@@ -141,15 +142,16 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 SERVER_VERSION = f"bentoml-{package_version('bentoml')}"
 EXTENSIONS = ["binary_tensor_data", "model_configuration", "statistics"]
 #: Values (numbers, strings, ...) the JSON part of a request may hold: 2**20, a 590×590 RGB image in
-#: ``PIXELS`` data. Counted as commas before parsing, so a JSON body costs at most about 50 ms to parse
-#: and 10 MB of lists; larger pixel arrays go in the binary extension (tritonclient's default).
+#: ``PIXELS`` data. Counted as commas before parsing, which bounds the parse's memory (about 10 MB of lists)
+#: but not its time: a million long floats or object keys take 0.75-0.9 s (``PARSE_IN_WORKER_BYTES``); larger
+#: pixel arrays go in the binary extension (tritonclient's default).
 MAX_JSON_VALUES = 1 << 20
 #: Shape rank (``PIXELS`` is 4-D), each dimension (Triton's int64 dims) and ``id`` length.
 MAX_RANK, MAX_DIMENSION, MAX_ID_CHARS = 4, 2**63 - 1, 256
 #: Bytes the JSON part of a request may hold: 64 MiB, Triton's default ``--http-max-input-size``
-#: (``HTTP_DEFAULT_MAX_INPUT_SIZE``). ``json.loads`` holds the GIL for the whole parse, so this bounds
-#: how long one parse can stall the event loop: 0.13-0.17 s for 64 MiB of whitespace or of one base64
-#: string on the 2-core host (docs/api.md, "Bodies held at once").
+#: (``HTTP_DEFAULT_MAX_INPUT_SIZE``). ``json.loads`` holds the GIL for the whole parse, 0.13-0.17 s for 64 MiB
+#: of whitespace or of one base64 string on the 2-core host but far longer per byte for numbers or keys, so a
+#: JSON part over ``PARSE_IN_WORKER_BYTES`` is parsed in a decode worker process, not in the API worker.
 MAX_JSON_BYTES = 64 << 20
 #: Decompressed bytes produced by one inflate step in a worker thread (zlib releases the GIL while it inflates).
 INFLATE_SLICE_BYTES = 1 << 20
@@ -863,8 +865,60 @@ async def read_infer_body(request: Request, limit: int, deadline: Deadline, sett
         raise http.bodies_over_budget(settings, retry_after_s()) from None
 
 
-async def _parse_within(body: bytes | bytearray, header_length: str | None, limits: Limits, deadline: Deadline) -> InferRequest:
-    """``parse_infer_request`` in a worker thread; ``RequestTimeout`` (408) if it is not done by the deadline."""
+#: A JSON part larger than this is parsed in a decode worker process (``parse_in_worker``), not in a thread of the
+#: API worker: ``json.loads`` holds the GIL for the whole parse, and within ``MAX_JSON_BYTES`` and
+#: ``MAX_JSON_VALUES`` its cost depends on what the JSON holds. Measured on the 2-core host (2026-12-08), in ms per
+#: MiB: 2-3 for whitespace or a long string (escaped or not), 7 for short strings, 13 for small integers, 21 for
+#: 4000-digit integers, 35 for long floats, 75 for object keys, 95 for empty lists: a 24 MB body of a million
+#: floats (58 KB gzipped) stalled the event loop for 0.75-0.85 s, and two clients sending it left no request a
+#: full answer. Under this size a parse costs at most about 25 ms.
+PARSE_IN_WORKER_BYTES = 256 << 10
+#: The request parameters that Rampart reads (``request_options``; ``binary_data_output`` is read in the parse).
+PARAMETERS_READ = ("deadline_ms", "timeout", "priority", "top_k")
+#: A string parameter sent back from a decode worker is cut to this many characters: no number or priority is
+#: longer, and the checks show at most 32 of them.
+MAX_PARAMETER_CHARS = 4096
+
+
+def parse_in_worker(body: bytes | bytearray, header_length: str | None, limits: Limits) -> InferRequest:
+    """``parse_infer_request`` for a decode worker process (``rampart.inputs.pool``): the same request and errors,
+    its ``parameters`` cut down to ``PARAMETERS_READ``, each value that is not a number, boolean, null or string
+    replaced by an empty one of its JSON type and each string cut to ``MAX_PARAMETER_CHARS``, so that what comes
+    back to the API worker is small whatever the body held, and ``request_options`` gives the same answer."""
+    parsed = parse_infer_request(body, header_length, limits)
+    parsed.parameters = {name: _bounded(value) for name, value in parsed.parameters.items() if name in PARAMETERS_READ}
+    return parsed
+
+
+def _bounded(value: Any) -> Any:
+    if isinstance(value, str):
+        return value[:MAX_PARAMETER_CHARS]
+    return value if value is None or isinstance(value, (bool, int, float)) else type(value)()
+
+
+def _json_part_bytes(body: bytes | bytearray, header_length: str | None) -> int:
+    """Bytes of the JSON part: ``header_length`` when it is a count, else the whole body."""
+    try:
+        return min(int(header_length), len(body)) if header_length is not None else len(body)
+    except ValueError:
+        return len(body)
+
+
+async def _parse_within(body: bytes | bytearray, header_length: str | None, limits: Limits, deadline: Deadline,
+                        pool: BoundedPool | None = None, run_limit_s: float | None = None) -> InferRequest:
+    """``parse_infer_request`` in a worker thread, or, for a JSON part over ``PARSE_IN_WORKER_BYTES`` and a ``pool``
+    of processes, in a decode worker (``parse_in_worker``, killed past ``run_limit_s``); ``RequestTimeout`` (408) if
+    it is not done by the deadline, or in the worker within ``run_limit_s``; ``Overloaded`` (429) when no decode
+    worker is free in time; ``InvalidParameter`` (422) when the worker died on the body."""
+    if pool is not None and pool.processes and _json_part_bytes(body, header_length) > PARSE_IN_WORKER_BYTES:
+        try:
+            return await pool.run(parse_in_worker, body, header_length, limits, budget_s=deadline.remaining_s(),
+                                  run_limit_s=run_limit_s)
+        except JobTimeout:
+            raise RequestTimeout(f"the request could not be parsed within the deadline ({deadline.share_ms():.0f} ms) "
+                                 "or the decode time limit") from None
+        except WorkerDied as exc:
+            raise InvalidParameter(f"the inference request could not be parsed: {exc}") from None
     try:
         return await run_within(asyncio.to_thread(parse_infer_request, body, header_length, limits),
                                 deadline.remaining_s())
@@ -966,7 +1020,8 @@ def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -
             pipeline.check_capacity(deadline, priority)  # sheds (429) before the body is read
             limit = settings.inputs.max_batch_images * (settings.inputs.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
             body = await read_infer_body(request, limit, deadline, settings, pipeline.retry_after_s)  # /classify_batch's cap
-            parsed = await _parse_within(body, request.headers.get(HEADER_LENGTH), limits, deadline)
+            parsed = await _parse_within(body, request.headers.get(HEADER_LENGTH), limits, deadline, pipeline.pool,
+                                         settings.decoding.timeout_ms / 1000)
             del body  # the images hold what is needed of it
             top_k, priority, deadline = request_options(request, parsed.parameters, settings, lag_ms, deadline)
             results = await _classify_all(pipeline, parsed.images, top_k, deadline, priority)

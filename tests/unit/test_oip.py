@@ -14,6 +14,7 @@ import functools
 import gzip
 import io
 import json
+import time
 import tracemalloc
 import zlib
 
@@ -33,6 +34,7 @@ from rampart.config import Settings
 from rampart.overload.deadline import Deadline
 from rampart.errors import DeadlineTooShort, EmptyBody, InvalidParameter, PayloadTooLarge, RampartError, RequestTimeout
 from tests.support import encode, photo
+from tests.support.stalls import loop_stall_s
 from tests.support.oip import DEADLINE_MS, HOSTILE, answer, bad_request, image_input, image_json, pixels_json, texts
 from tests.unit.standins import CAT, COFFEE
 
@@ -189,7 +191,8 @@ def test_hostile_bodies_are_refused_with_a_client_error(body, header_length):
     assert 400 <= refused.value.status < 500 and refused.value.message
 
 
-@pytest.mark.parametrize("parameters, error, named", [
+#: Parameters that ``request_options`` refuses: the error and the start of its message.
+BAD_PARAMETERS = [
     ({"deadline_ms": -1}, InvalidParameter, "parameter deadline_ms must be positive"),
     ({"deadline_ms": 10}, DeadlineTooShort, "parameter deadline_ms=10 is below the minimum"),
     ({"timeout": -5}, InvalidParameter, "parameter timeout (µs; the value shown is in ms) must be positive"),
@@ -199,7 +202,12 @@ def test_hostile_bodies_are_refused_with_a_client_error(body, header_length):
     ({"timeout": "\u00e9"}, InvalidParameter, "parameter timeout must be a number"),
     ({"top_k": "\u0663"}, InvalidParameter, "parameter top_k must be a number"),
     ({"priority": "h\u00efgh"}, InvalidParameter, "parameter priority must be"),
-])
+    ({"top_k": [1] * 1000}, InvalidParameter, "parameter top_k must be a number, got a list"),
+    ({"priority": {"level": 1}}, InvalidParameter, "parameter priority must be 'high', 'normal', 'low' or 0..3, got an object"),
+]
+
+
+@pytest.mark.parametrize("parameters, error, named", BAD_PARAMETERS)
 def test_a_bad_parameter_is_named_as_the_parameter_not_as_the_header_it_stands_for(parameters, error, named):
     """``parameters.deadline_ms`` = -1 said "X-Deadline-Ms must be positive": the client sent no such header."""
     request = Request({"type": "http", "method": "POST", "path": "/v2/models/rampart/infer", "headers": [],
@@ -577,3 +585,62 @@ def test_a_low_priority_parameter_without_a_deadline_gets_the_low_class_default_
                            "headers": [(b"x-deadline-ms", b"2500")], "query_string": b""})
     header_deadline = http.parse_deadline(with_header, settings)
     assert oip.request_options(with_header, {"priority": level}, settings, 0.0, header_deadline)[2].budget_ms == 2500
+
+
+def options_or_error(parameters: dict) -> tuple:
+    """``request_options``' answer for ``parameters`` on a bare request: (top_k, priority, deadline ms) or the
+    error's type and message."""
+    request = Request({"type": "http", "method": "POST", "path": "/v2/models/rampart/infer", "headers": [],
+                       "query_string": b""})
+    try:
+        top_k, priority, deadline = oip.request_options(request, parameters, Settings(), 0.0,
+                                                        http.parse_deadline(request, Settings()))
+    except RampartError as refused:
+        return type(refused), refused.message
+    return top_k, priority, round(deadline.remaining_s())
+
+
+@pytest.mark.parametrize("parameters", [parameters for parameters, _, _ in BAD_PARAMETERS] + [
+    {"top_k": 3, "priority": 1, "deadline_ms": "2500"}, {"timeout": 4_000_000, "priority": "low"}, {},
+    {"top_k": "1" * 10_000}, {"priority": None},
+])
+def test_a_body_parsed_in_a_decode_worker_brings_back_only_the_parameters_read_with_the_same_outcome(parameters):
+    """``parse_in_worker`` sends back the parameters ``request_options`` reads, each bounded, and nothing else (a
+    million keys in ``parameters`` stay in the worker): the options, or the error, are the same as from the
+    parameters the client sent."""
+    body = json.dumps({**image_json(), "parameters": {**parameters, **{f"k{i}": [i] for i in range(1000)}}}).encode()
+    parsed = oip.parse_in_worker(body, None, LIMITS)
+    assert set(parsed.parameters) == set(parameters) & set(oip.PARAMETERS_READ)
+    assert options_or_error(parsed.parameters) == options_or_error(parameters)
+    assert parsed.images == oip.parse_infer_request(body, None, LIMITS).images
+
+
+def hostile_json(values: int = 1_000_000) -> bytes:
+    """A body that ``json.loads`` takes long over, inside ``MAX_JSON_VALUES``: ``values`` long floats."""
+    return b'{"parameters": {"x": [' + b",".join([b"1.2345678901234567e-300"] * values) + b']}, "inputs": []}'
+
+
+def test_a_large_json_part_is_parsed_in_a_decode_worker_without_stalling_the_event_loop():
+    """In a thread of the API worker, ``json.loads`` holds the GIL: the event loop stalled for the whole parse of
+    a million long floats (0.75-0.85 s). In a decode worker process it keeps ticking; the same error comes back.
+    The two stalls are compared in the same run."""
+    from rampart.inputs.pool import BoundedPool
+
+    body, deadline = hostile_json(), Deadline(time.monotonic() + 30.0)
+    pool = BoundedPool(workers=1, queue=2, processes=True, name="rampart-oip-parse")
+
+    async def parse(in_worker: bool) -> str:
+        try:
+            await oip._parse_within(body, None, LIMITS, deadline, pool if in_worker else None, 30.0)
+        except InvalidParameter as refused:
+            return refused.message
+        raise AssertionError("the body has no input: it must be refused")
+
+    try:
+        loop_stall_s(lambda: parse(True))  # the worker imports the parser once
+        in_thread, thread_stall = loop_stall_s(lambda: parse(False))
+        in_worker, worker_stall = loop_stall_s(lambda: parse(True))
+    finally:
+        pool.close()
+    assert in_worker == in_thread and "no input" in in_thread
+    assert worker_stall <= 0.25 * thread_stall, (worker_stall, thread_stall)

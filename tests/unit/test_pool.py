@@ -28,6 +28,7 @@ from rampart.inputs.decode_job import model_input, prepare
 from rampart.errors import Overloaded
 from rampart.pipeline import decode_pool
 from rampart.inputs.pool import BoundedPool, JobTimeout, WorkerDied
+from tests.support.stalls import loop_stall_s
 from tests.support import encode, photo
 from tests.unit.standins import stand_in_chain
 
@@ -298,28 +299,6 @@ def test_the_hand_off_carries_frames_larger_than_the_socket_buffer_and_an_end_mi
     right.close()
 
 
-def _loop_stall_s(scenario):
-    """Run ``scenario()`` (a coroutine function) beside a 10 ms ticker; (its result, the ticker's longest gap in s)."""
-    async def run():
-        gaps, done = [0.0], asyncio.Event()
-
-        async def tick():
-            last = time.monotonic()
-            while not done.is_set():
-                await asyncio.sleep(0.01)
-                now = time.monotonic()
-                gaps[0], last = max(gaps[0], now - last), now
-
-        ticker = asyncio.create_task(tick())
-        try:
-            return await scenario(), gaps[0]
-        finally:
-            done.set()
-            await ticker
-
-    return asyncio.run(run())
-
-
 def test_a_callers_time_running_out_during_a_workers_replacement_never_blocks_the_event_loop(monkeypatch):
     from rampart.inputs import pool as pool_module
 
@@ -342,7 +321,7 @@ def test_a_callers_time_running_out_during_a_workers_replacement_never_blocks_th
                 await one.run(time.sleep, 0, budget_s=0.3, run_limit_s=5.0)
             return time.monotonic() - began
 
-        answered_s, stall_s = _loop_stall_s(scenario)
+        answered_s, stall_s = loop_stall_s(scenario)
         assert answered_s < 0.6
         assert stall_s < 0.25, f"the event loop stalled {stall_s * 1000:.0f} ms"
         _wait_for(lambda: one.stats()["alive"] == 1 and one.pending == 0, timeout_s=10)
