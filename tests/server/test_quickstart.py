@@ -35,7 +35,7 @@ def test_readme_curl_lines_and_sdk_lines_give_the_cat_its_label(server):
     env = {**os.environ, "PORT": str(server.port)}
     readyz = [line for line in shell if "/readyz" in line and line.startswith("curl")]
     classify = [line for line in shell if "/classify" in line and line.startswith("curl")]
-    assert len(readyz) == len(classify) == 1 and "$PORT" in readyz[0] and "$PORT" in classify[0], shell
+    assert len(readyz) == len(classify) == 1 and "${PORT:-3000}" in readyz[0] and "${PORT:-3000}" in classify[0], shell
     ready = subprocess.run(["bash", "-c", readyz[0]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert ready.returncode == 0 and ready.stdout.strip() == "200", ready
     answer = subprocess.run(["bash", "-c", classify[0]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
