@@ -158,6 +158,9 @@ INFLATE_SLICE_BYTES = 1 << 20
 #: ``Content-Encoding`` values accepted on ``/infer`` and their zlib ``wbits`` (None: not compressed).
 #: ``deflate`` is the zlib format (RFC 9110 §8.4.1.2), which is what tritonclient sends.
 ENCODINGS = {"identity": None, "gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+#: Members a gzip body may hold (RFC 1952 allows a series; each costs a step in a worker thread, so they are counted).
+MAX_GZIP_MEMBERS = 64
+_GZIP_MAGIC = b"\x1f\x8b"
 #: A repository index request's body is a small JSON object (``{"ready": true}``) or empty.
 MAX_INDEX_BODY_BYTES = 4096
 
@@ -802,35 +805,51 @@ def _decompressor(encoding: str | None) -> Any:
 
 
 async def _inflated(chunks: AsyncIterator[bytes], decompressor: Any, limit: int,
-                    hold: Callable[[int], bool] = lambda size: True) -> bytearray:
+                    hold: Callable[[int], bool] = lambda size: True, gzip_members: bool = False) -> bytearray:
     """The decompressed body of compressed ``chunks``: ``PayloadTooLarge`` as soon as it passes ``limit``
     bytes (a bomb stops there), ``InvalidParameter`` for data that is not valid or ends early.
+
+    With ``gzip_members`` (a gzip body) a member may follow the last, up to ``MAX_GZIP_MEMBERS`` in all
+    (RFC 1952, section 2.2: a gzip file is a series of members; what ``gzip.decompress`` reads); any other
+    data after the end is refused.
 
     Inflated ``INFLATE_SLICE_BYTES`` at a time in a worker thread, so the event loop runs on while zlib
     works; each slice is counted with ``hold(size)`` first (the worker's budget of body bytes,
     ``rampart.api.arrival.hold_body_bytes``), and ``hold`` returning False raises ``BodiesOverBudget``.
     Returned as the ``bytearray`` it was inflated into (no copy).
     """
-    body = bytearray()
+    body, members, carried = bytearray(), 1, b""
     try:
         async for chunk in chunks:
-            data = chunk
+            data, carried = carried + chunk if carried else chunk, b""
             while True:
-                if decompressor.eof:
-                    if data or decompressor.unused_data:
+                if decompressor.eof:  # what follows the end of a stream: nothing, or (gzip) the next member
+                    if not data:
+                        break
+                    if gzip_members and len(data) < len(_GZIP_MAGIC) and _GZIP_MAGIC.startswith(data):
+                        carried = data  # the next member's magic is cut between two chunks
+                        break
+                    if not (gzip_members and data[:2] == _GZIP_MAGIC):
                         raise InvalidParameter("the compressed body has data after its end")
-                    break
+                    if members == MAX_GZIP_MEMBERS:
+                        raise InvalidParameter(f"the gzip body has more than {MAX_GZIP_MEMBERS} members")
+                    decompressor, members = zlib.decompressobj(16 + zlib.MAX_WBITS), members + 1
                 piece = await asyncio.to_thread(decompressor.decompress, data, INFLATE_SLICE_BYTES)
                 if len(body) + len(piece) > limit:
                     raise PayloadTooLarge(f"the decompressed body is over the limit of {limit} bytes")
                 if not hold(len(piece)):
                     raise BodiesOverBudget
                 body += piece
-                data = decompressor.unconsumed_tail
-                if not data and len(piece) < INFLATE_SLICE_BYTES:
-                    break
+                if decompressor.eof:
+                    data = decompressor.unused_data
+                else:
+                    data = decompressor.unconsumed_tail
+                    if not data and len(piece) < INFLATE_SLICE_BYTES:
+                        break
     except zlib.error as exc:
         raise InvalidParameter(f"the body is not valid per its Content-Encoding: {exc}") from None
+    if carried:
+        raise InvalidParameter("the compressed body has data after its end")
     if not decompressor.eof:
         raise InvalidParameter("the compressed body ends before its end of stream")
     return body
@@ -858,8 +877,10 @@ async def read_infer_body(request: Request, limit: int, deadline: Deadline, sett
     if decompressor is None:
         return await http.read_body_once(request, limit, deadline)
     try:
+        gzip_members = (request.headers.get("content-encoding") or "").strip().lower() in ("gzip", "x-gzip")
         return await http.within_deadline(_inflated(http.body_chunks(request, limit), decompressor, limit,
-                                                    functools.partial(hold_body_bytes, request.scope)), deadline,
+                                                    functools.partial(hold_body_bytes, request.scope), gzip_members),
+                                          deadline,
                                           "the body was not received and decompressed")
     except BodiesOverBudget:
         raise http.bodies_over_budget(settings, retry_after_s()) from None

@@ -644,3 +644,41 @@ def test_a_large_json_part_is_parsed_in_a_decode_worker_without_stalling_the_eve
         pool.close()
     assert in_worker == in_thread and "no input" in in_thread
     assert worker_stall <= 0.25 * thread_stall, (worker_stall, thread_stall)
+
+
+@pytest.mark.parametrize("chunk_size", [7, 1, 1 << 20], ids=["small_chunks", "one_byte_chunks", "one_chunk"])
+def test_a_gzip_body_of_several_members_inflates_to_all_of_them(chunk_size):
+    """RFC 1952 makes a gzip body a series of members (``gzip.decompress`` reads them all); the body was refused
+    with "data after its end". Members may be cut anywhere between chunks, the magic included."""
+    original = json.dumps(image_json()).encode() * 3
+    members = gzip.compress(original[:50]) + gzip.compress(original[50:80]) + gzip.compress(original[80:])
+
+    async def chunks():
+        for start in range(0, len(members), chunk_size):
+            yield members[start:start + chunk_size]
+
+    inflated = asyncio.run(oip._inflated(chunks(), zlib.decompressobj(16 + zlib.MAX_WBITS), 1 << 20, gzip_members=True))
+    assert bytes(inflated) == original == gzip.decompress(members)
+
+
+@pytest.mark.parametrize("tail, message", [
+    (b"\x00\x00", "data after its end"),  # not a member
+    (b"\x1f", "data after its end"),  # half a magic, then the body ends
+    (gzip.compress(b"x")[:12], "ends before its end of stream"),  # a member cut short
+    (gzip.compress(b"") * oip.MAX_GZIP_MEMBERS, f"more than {oip.MAX_GZIP_MEMBERS} members"),
+])
+def test_what_follows_a_gzip_member_must_be_a_whole_member_and_their_number_is_bounded(tail, message):
+    async def chunks():
+        yield gzip.compress(b"{}") + tail
+
+    with pytest.raises(InvalidParameter, match=message):
+        asyncio.run(oip._inflated(chunks(), zlib.decompressobj(16 + zlib.MAX_WBITS), 1 << 20, gzip_members=True))
+
+
+def test_a_deflate_body_takes_no_second_stream():
+    async def chunks():
+        yield zlib.compress(b"{}") + zlib.compress(b"{}")
+
+    with pytest.raises(InvalidParameter, match="data after its end"):
+        asyncio.run(oip._inflated(chunks(), zlib.decompressobj(zlib.MAX_WBITS), 1 << 20))
+
