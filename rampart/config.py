@@ -153,7 +153,8 @@ class InputSettings(_Group):
 
     max_body_bytes: int = Field(20_000_000, gt=0, description="byte cap per image")
     max_pixels: int = Field(50_000_000, gt=0, description="pixel cap, from the header, for every format; a WebP "
-                            "may declare a quarter of it ([decoding.md](decoding.md#memory-bounded-by-output-pixels-in-every-mode))")
+                            "may declare a quarter of it, a PNG or TIFF of more than 4 bytes a pixel 4 / its bytes "
+                            "a pixel of it ([decoding.md](decoding.md#memory-bounded-by-output-pixels-in-every-mode))")
     min_side_px: int = Field(16, ge=1, description="shape limit: the shortest side")
     max_aspect_ratio: float = Field(10.0, ge=1.0, description="shape limit: long side over short side")
     max_frames: int = Field(100, ge=1, description="shape limit: frames of an animation")

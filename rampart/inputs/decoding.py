@@ -65,12 +65,12 @@ from rampart.errors import (
     UnsupportedFormat,
 )
 from rampart.inputs.plain_png import decode_plain_rgb_png, is_plain_rgb_png
-from rampart.inputs.png_rows import last_row_written, yields_every_row
+from rampart.inputs.png_rows import last_row_written, png_header, yields_every_row
 from rampart.inputs.recovery import repair
 
 __all__ = ["DecodeLimits", "DecodedImage", "ShrinkRule", "SUPPORTED_FORMATS", "sniff_format", "decode_image",
            "shrink_to_rgb", "to_rgb", "relax_metadata_limits", "STRIP_PIXELS", "MAX_METADATA_CHUNK_BYTES",
-           "WEBP_PIXEL_SHARE", "webp_canvas_size"]
+           "WEBP_PIXEL_SHARE", "webp_canvas_size", "MAX_SAMPLE_BYTES_PER_PIXEL", "sample_bytes_per_pixel"]
 
 logger = logging.getLogger("rampart.inputs.decoding")
 
@@ -114,6 +114,13 @@ SUPPORTED_FORMATS: tuple[str, ...] = ("JPEG", "PNG", "GIF", "WEBP", "BMP", "TIFF
 #: ``tests/unit/test_decoding_scale.py``), against 4.3 for an 8-bit RGB PNG and at most 6 for any other format and
 #: mode. At a quarter of the pixels a WebP decode costs what an RGB frame at ``max_pixels`` costs.
 WEBP_PIXEL_SHARE = 4
+
+#: Bytes a declared pixel of a PNG or TIFF may hold in the file's own samples, at the pixel cap: an 8-bit RGBA
+#: frame's. Decoding unpacks every sample, so its CPU grows with them: at 49 MP of zeros (zlib TIFF, the 2-core
+#: host, 2026-12-08) 2 bytes a pixel (16-bit grey) took 0.31 s, 3 (8-bit RGB) 0.47, 4 (RGBA) 0.64, 6 (16-bit
+#: RGB) 0.75 and 8 (16-bit CMYK) 1.10 s, from a file of 434 KB. A file with deeper samples may declare at most
+#: ``max_pixels × MAX_SAMPLE_BYTES_PER_PIXEL / its bytes a pixel`` pixels (``_check_sample_bytes``).
+MAX_SAMPLE_BYTES_PER_PIXEL = 4
 
 _SUPPORTED_MAGIC: tuple[tuple[int, bytes, str], ...] = (
     (0, b"\xff\xd8\xff", "JPEG"),
@@ -253,6 +260,7 @@ def _decode(data: bytes, fmt: str, limits: DecodeLimits, shrink: ShrinkRule) -> 
         raise UndecodableImage(f"the bytes look like {fmt} but cannot be read: {_decoder_message(exc)}") from exc
     declared = image.size
     _check_declared_size(declared, limits)
+    _check_sample_bytes(image, fmt, data, limits)
     frame_warnings = _check_frames(image, limits.max_frames)
     try:
         if fmt == "JPEG":  # the orientation is in the header: known before the (reduced) decode
@@ -358,6 +366,40 @@ def _check_webp_canvas(data: bytes, limits: DecodeLimits) -> None:
             f"the WebP image declares {size[0]}x{size[1]} = {size[0] * size[1]} pixels; the limit for WebP is "
             f"{limit} (1/{WEBP_PIXEL_SHARE} of the {limits.max_pixels}-pixel limit: its decoder holds about "
             f"{WEBP_PIXEL_SHARE} times the memory a pixel of other formats holds)"
+        )
+
+
+def sample_bytes_per_pixel(image: Image.Image, fmt: str, data: bytes) -> float | None:
+    """Bytes a pixel holds in the file's own samples, from the header: a PNG's bit depth × channels (IHDR),
+    a TIFF's bits per sample summed over its samples (tags 258 and 277); None for other formats (a JPEG is
+    decoded at a reduced DCT scale, a WebP has its own share, BMP and GIF hold at most 4 bytes a pixel) and
+    for a header that does not say."""
+    if fmt == "PNG":
+        ihdr = png_header(data)
+        channels = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}.get(ihdr[3]) if ihdr is not None else None
+        return None if channels is None else ihdr[2] * channels / 8
+    if fmt == "TIFF":
+        tags = getattr(image, "tag_v2", {})
+        bits, samples = tags.get(258), tags.get(277, 1)
+        if not isinstance(bits, tuple) or not bits or not isinstance(samples, int):
+            return None
+        return (sum(bits) if len(bits) == samples else bits[0] * samples) / 8
+    return None
+
+
+def _check_sample_bytes(image: Image.Image, fmt: str, data: bytes, limits: DecodeLimits) -> None:
+    """Raise ``ImageTooLarge`` when the declared pixels hold more sample bytes than ``MAX_SAMPLE_BYTES_PER_PIXEL``
+    a pixel at ``limits.max_pixels``: a 16-bit CMYK TIFF (8 bytes a pixel) may declare half the pixel cap."""
+    per_pixel = sample_bytes_per_pixel(image, fmt, data)
+    if per_pixel is None or per_pixel <= MAX_SAMPLE_BYTES_PER_PIXEL:
+        return
+    width, height = image.size
+    limit = int(limits.max_pixels * MAX_SAMPLE_BYTES_PER_PIXEL / per_pixel)
+    if width * height > limit:
+        raise ImageTooLarge(
+            f"the {fmt} image declares {width}x{height} = {width * height} pixels of {per_pixel:g} bytes each; the "
+            f"limit at that depth is {limit} pixels ({MAX_SAMPLE_BYTES_PER_PIXEL} bytes a pixel at the "
+            f"{limits.max_pixels}-pixel limit: decoding unpacks every sample)"
         )
 
 

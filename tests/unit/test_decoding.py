@@ -240,3 +240,57 @@ def test_cmyk_with_an_unusable_icc_profile_still_decodes():
     assert rgb.shape == reference.shape and np.abs(rgb - reference).mean() < 2.0  # plain conversion, logged
 
 
+
+
+def tiff(pixels: np.ndarray, **options) -> bytes:
+    """``pixels`` as a deflate-compressed TIFF (tifffile)."""
+    import tifffile
+
+    buffer = io.BytesIO()
+    tifffile.imwrite(buffer, pixels, compression="zlib", **options)
+    return buffer.getvalue()
+
+
+def with_declared_size(data: bytes, width: int, height: int) -> bytes:
+    """A TIFF whose ImageWidth and ImageLength tags say ``width`` × ``height`` (its strips unchanged)."""
+    import tifffile
+
+    patched = bytearray(data)
+    with tifffile.TiffFile(io.BytesIO(data)) as parsed:
+        tags = parsed.pages[0].tags
+        for name, value in (("ImageWidth", width), ("ImageLength", height)):
+            tag = tags[name]
+            struct.pack_into("<I" if tag.dtype == 4 else "<H", patched, tag.valueoffset, value)
+    return bytes(patched)
+
+
+SMALL_CAP = DecodeLimits(**{**LIMITS.__dict__, "max_pixels": 10_000, "min_side_px": 16})
+
+
+@pytest.mark.parametrize("name, data, allowed", [
+    ("8-bit RGBA PNG, 4 bytes a pixel, at the cap", encode(np.zeros((100, 100, 4), np.uint8), "PNG"), True),
+    ("16-bit grey PNG, 2 bytes a pixel, at the cap", encode(Image.fromarray(np.zeros((100, 100), np.uint16)), "PNG"), True),
+    ("16-bit CMYK TIFF, 8 bytes a pixel, half the cap", tiff(np.zeros((50, 100, 4), np.uint16), photometric="separated"), True),
+    ("16-bit CMYK TIFF, 8 bytes a pixel, over half the cap", tiff(np.zeros((51, 100, 4), np.uint16), photometric="separated"), False),
+    ("16-bit RGB TIFF, 6 bytes a pixel, two thirds of the cap", tiff(np.zeros((66, 100, 3), np.uint16), photometric="rgb"), True),
+    ("16-bit RGB TIFF, 6 bytes a pixel, over two thirds", tiff(np.zeros((67, 100, 3), np.uint16), photometric="rgb"), False),
+    ("16-bit RGBA TIFF, 8 bytes a pixel, over half the cap", tiff(np.zeros((51, 100, 4), np.uint16), photometric="rgb",
+                                                                 extrasamples=[2]), False),
+])
+def test_a_file_whose_samples_are_deeper_than_rgba_may_declare_fewer_pixels(name, data, allowed):
+    """Decoding unpacks every sample: past 4 bytes a pixel, a PNG or TIFF may declare pixels up to 4 bytes a pixel at
+    the pixel cap, no more (413 before any pixel is decoded)."""
+    if allowed:
+        assert decode_image(data, SMALL_CAP).image.mode == "RGB", name
+    else:
+        with pytest.raises(errors.ImageTooLarge, match="bytes each; the limit at that depth is"):
+            decode_image(data, SMALL_CAP)
+
+
+def test_a_small_tiff_declaring_49_megapixels_of_16_bit_cmyk_is_refused_at_its_header():
+    """A hostile-client check: 434 KB of zlib zeros, 7000×7000 16-bit CMYK, under the 50 MP cap, cost 1.1-3 s of
+    decode each. Declared at 8 bytes a pixel it may have at most 25 MP."""
+    data = with_declared_size(tiff(np.zeros((70, 70, 4), np.uint16), photometric="separated"), 7000, 7000)
+    with pytest.raises(errors.ImageTooLarge, match="7000x7000 = 49000000 pixels of 8 bytes each; the limit at that "
+                                                   "depth is 25000000"):
+        decode_image(data, LIMITS)
