@@ -65,7 +65,8 @@ from rampart.errors import (
     UnsupportedFormat,
 )
 from rampart.inputs.plain_png import decode_plain_rgb_png, is_plain_rgb_png
-from rampart.inputs.png_rows import last_row_written, png_header, yields_every_row
+from rampart.inputs.png_rows import last_row_written, yields_every_row
+from rampart.inputs.png_rows import sample_bytes_per_pixel as png_sample_bytes_per_pixel
 from rampart.inputs.recovery import repair
 
 __all__ = ["DecodeLimits", "DecodedImage", "ShrinkRule", "SUPPORTED_FORMATS", "sniff_format", "decode_image",
@@ -375,16 +376,18 @@ def sample_bytes_per_pixel(image: Image.Image, fmt: str, data: bytes) -> float |
     decoded at a reduced DCT scale, a WebP has its own share, BMP and GIF hold at most 4 bytes a pixel) and
     for a header that does not say."""
     if fmt == "PNG":
-        ihdr = png_header(data)
-        channels = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}.get(ihdr[3]) if ihdr is not None else None
-        return None if channels is None else ihdr[2] * channels / 8
-    if fmt == "TIFF":
-        tags = getattr(image, "tag_v2", {})
+        return png_sample_bytes_per_pixel(data)
+    if fmt != "TIFF":
+        return None
+    try:
+        tags = image.tag_v2
         bits, samples = tags.get(258), tags.get(277, 1)
-        if not isinstance(bits, tuple) or not bits or not isinstance(samples, int):
-            return None
-        return (sum(bits) if len(bits) == samples else bits[0] * samples) / 8
-    return None
+    except Exception:  # a tag Pillow cannot read: the decode decides what the upload's fault is
+        return None
+    bits = (bits,) if isinstance(bits, int) else bits
+    if not isinstance(bits, tuple) or not bits or not all(isinstance(b, int) for b in bits) or not isinstance(samples, int):
+        return None
+    return (sum(bits) if len(bits) == samples else bits[0] * samples) / 8
 
 
 def _check_sample_bytes(image: Image.Image, fmt: str, data: bytes, limits: DecodeLimits) -> None:

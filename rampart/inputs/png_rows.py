@@ -22,7 +22,7 @@ import zlib
 import numpy as np
 from PIL import Image
 
-__all__ = ["declared_data_bytes", "last_row_written", "png_header", "yields_every_row"]
+__all__ = ["declared_data_bytes", "last_row_written", "png_header", "sample_bytes_per_pixel", "yields_every_row"]
 
 _SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _CHUNK_HEAD = struct.Struct(">I4s")
@@ -46,6 +46,14 @@ def png_header(data: bytes) -> tuple[int, int, int, int, int] | None:
         return None
     width, height, depth, colour, _, _, interlace = _IHDR.unpack_from(data, 16)
     return width, height, depth, colour, interlace
+
+
+def sample_bytes_per_pixel(data: bytes) -> float | None:
+    """Bytes a pixel of the PNG ``data`` holds in its samples (bit depth × channels, from IHDR); None when the
+    header cannot be read or names an unknown colour type."""
+    ihdr = png_header(data)
+    channels = None if ihdr is None else _CHANNELS.get(ihdr[3])
+    return None if channels is None else ihdr[2] * channels / 8
 
 
 def declared_data_bytes(width: int, height: int, depth: int, colour: int, interlace: int) -> int:
