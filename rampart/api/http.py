@@ -91,13 +91,16 @@ REQUEST_ID_KEY = "rampart.request_id"
 
 
 def request_id_of(request: Request) -> str:
-    """``X-Request-Id`` when it is 1-128 safe characters, else a new uuid4 hex; kept in the request's scope
-    (``REQUEST_ID_KEY``), so every call for the same request gives the same id (the handler's, and the access
-    line of a request whose client hung up, ``rampart.api.app.log_client_gone``)."""
+    """``X-Request-Id`` when it is 1-128 safe characters, sent once (or repeated with the same value), else a new
+    uuid4 hex (two different ids: which one the client meant is not for the server to guess, and an error about
+    it would need an id); kept in the request's scope (``REQUEST_ID_KEY``), so every call for the same request
+    gives the same id (the handler's, and the access line of a request whose client hung up,
+    ``rampart.api.app.log_client_gone``)."""
     known = request.scope.get(REQUEST_ID_KEY)
     if known is None:
-        given = request.headers.get("x-request-id", "")
-        request.scope[REQUEST_ID_KEY] = known = given if _REQUEST_ID.match(given) else uuid.uuid4().hex
+        given = set(request.headers.getlist("x-request-id"))
+        one = given.pop() if len(given) == 1 else ""
+        request.scope[REQUEST_ID_KEY] = known = one if _REQUEST_ID.match(one) else uuid.uuid4().hex
     return known
 
 

@@ -872,7 +872,7 @@ async def read_infer_body(request: Request, limit: int, deadline: Deadline, sett
     ``rampart.api.http.read_body``.
     """
     decompressor = _decompressor(request.headers.get("content-encoding"))
-    if request.headers.get(HEADER_LENGTH) is None:
+    if http.single_header(request, HEADER_LENGTH.lower()) is None:
         limit = min(limit, MAX_JSON_BYTES)
     if decompressor is None:
         return await http.read_body_once(request, limit, deadline)
@@ -1041,8 +1041,8 @@ def routes(settings: Settings, backend: Backend, account: Callable[..., None]) -
             pipeline.check_capacity(deadline, priority)  # sheds (429) before the body is read
             limit = settings.inputs.max_batch_images * (settings.inputs.max_body_bytes + http.MULTIPART_OVERHEAD_BYTES)
             body = await read_infer_body(request, limit, deadline, settings, pipeline.retry_after_s)  # /classify_batch's cap
-            parsed = await _parse_within(body, request.headers.get(HEADER_LENGTH), limits, deadline, pipeline.pool,
-                                         settings.decoding.timeout_ms / 1000)
+            parsed = await _parse_within(body, http.single_header(request, HEADER_LENGTH.lower()), limits, deadline,
+                                         pipeline.pool, settings.decoding.timeout_ms / 1000)
             del body  # the images hold what is needed of it
             top_k, priority, deadline = request_options(request, parsed.parameters, settings, lag_ms, deadline)
             results = await _classify_all(pipeline, parsed.images, top_k, deadline, priority)

@@ -294,3 +294,11 @@ def test_a_body_that_stops_arriving_is_408_and_a_hang_up_is_499():
     half = multipart(part("images", b"x"))[:20]
     assert refused(parse(Body(half, then="wait"), deadline_ms=50), errors.RequestTimeout, 408)
     assert refused(parse(Body(half, then="http.disconnect")), errors.ClientDisconnected, 499)
+
+
+def test_a_request_id_sent_twice_is_kept_when_the_same_and_replaced_by_a_new_one_when_they_differ():
+    """``X-Request-Id`` is only echoed, so two different ones are not an error (its body would need an id): the
+    client gets a fresh id, not the first it sent as if the second did not exist."""
+    assert http.request_id_of(raw_request(("X-Request-Id", "abc-1"), ("X-Request-Id", "abc-1"))) == "abc-1"
+    fresh = http.request_id_of(raw_request(("X-Request-Id", "abc-1"), ("X-Request-Id", "abc-2")))
+    assert fresh not in ("abc-1", "abc-2") and len(fresh) == 32

@@ -682,3 +682,15 @@ def test_a_deflate_body_takes_no_second_stream():
     with pytest.raises(InvalidParameter, match="data after its end"):
         asyncio.run(oip._inflated(chunks(), zlib.decompressobj(zlib.MAX_WBITS), 1 << 20))
 
+
+
+def test_an_inference_header_content_length_sent_twice_with_different_values_is_422(rig):
+    """The split between JSON and binary data must not depend on which copy a proxy or the server reads."""
+    body, header_length = request_body([image_input([CAT], True)])
+    headers = [("Content-Type", "application/octet-stream"), (oip.HEADER_LENGTH, header_length),
+               (oip.HEADER_LENGTH, str(int(header_length) + 1))]
+    response = rig.client.post("/v2/models/rampart/infer", content=body, headers=headers)
+    assert response.status_code == 422 and "inference-header-content-length is sent 2 times" in response.text, \
+        response.text
+    same = [headers[0], headers[1], headers[1]]
+    assert rig.client.post("/v2/models/rampart/infer", content=body, headers=same).status_code == 200
