@@ -305,8 +305,11 @@ async def read_multipart(request: Request, field: str, max_files: int, part_limi
     except FormParserError as exc:  # a boundary longer than the parser allows
         raise InvalidParameter(f"the multipart/form-data boundary is not valid: {exc}") from None
 
+    preamble = Preamble(boundary)
+
     async def parse() -> None:
         async for chunk in body_chunks(request, max_files * (part_limit + MULTIPART_OVERHEAD_BYTES)):
+            chunk = preamble.skip(chunk)
             for start in range(0, len(chunk), PARSE_SLICE_BYTES):
                 if start:
                     await asyncio.sleep(0)  # let other requests run between slices
@@ -318,6 +321,43 @@ async def read_multipart(request: Request, field: str, max_files: int, part_limi
     if not parts.files:
         raise EmptyBody(f"the multipart body has no part named {field!r}")
     return parts.files
+
+
+#: Bytes a multipart body may carry before its first boundary (RFC 2046, section 5.1.1: a preamble, to be ignored).
+MAX_PREAMBLE_BYTES = 64 * 1024
+
+
+class Preamble:
+    """Drops a multipart body's preamble, the text before its first boundary line that RFC 2046 (section 5.1.1)
+    lets a sender put there and tells a receiver to ignore; python-multipart 0.0.34 takes only a blank line there.
+
+    ``skip(chunk)`` gives what of ``chunk`` the parser should see: nothing until the first ``--boundary`` at the
+    start of the body or of a line, then everything from it. ``InvalidParameter`` when none has come within
+    ``MAX_PREAMBLE_BYTES``.
+    """
+
+    def __init__(self, boundary: bytes) -> None:
+        self.delimiter = b"--" + boundary
+        self.seen = bytearray()
+        self.done = False
+
+    def skip(self, chunk: bytes) -> bytes:
+        if self.done:
+            return chunk
+        self.seen += chunk
+        if self.seen.startswith(self.delimiter):
+            start = 0
+        else:
+            found = self.seen.find(b"\r\n" + self.delimiter, 0, MAX_PREAMBLE_BYTES + 2 + len(self.delimiter))
+            if found < 0:
+                if len(self.seen) >= MAX_PREAMBLE_BYTES + 2 + len(self.delimiter):
+                    raise InvalidParameter(f"the multipart/form-data body has no boundary line in its first "
+                                           f"{MAX_PREAMBLE_BYTES} bytes")
+                return b""
+            start = found + 2
+        self.done = True
+        rest, self.seen = bytes(self.seen[start:]), bytearray()
+        return rest
 
 
 def feed(parser: MultipartParser, data: bytes) -> None:

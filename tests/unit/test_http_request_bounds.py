@@ -192,3 +192,19 @@ def test_head_is_counted_up_to_its_blank_line_wherever_the_reads_split_it():
             counted += protocol._head_part(data)
             protocol._head_tail = (protocol._head_tail + data[-3:])[-3:]
         assert counted == len(head), cut
+
+
+@pytest.mark.parametrize("preamble", [b"", b"\r\n", b"This is a preamble.\r\n", b"line one\r\nline two\r\n",
+                                      b"x" * 70_000 + b"\r\n"], ids=["none", "blank_line", "text", "two_lines", "long"])
+@pytest.mark.parametrize("chunk_size", [1, 5, 64 * 1024])
+def test_a_preamble_before_the_first_boundary_is_ignored_up_to_its_limit(preamble, chunk_size):
+    """RFC 2046, section 5.1.1: text before the first boundary line is a preamble, to be ignored; it was refused
+    (422 "Expected boundary character"). Past ``MAX_PREAMBLE_BYTES`` without a boundary line: 422."""
+    body = preamble + b'--B\r\nContent-Disposition: form-data; name="image"; filename="c.jpg"\r\n\r\nDATA\r\n--B--\r\n'
+    if chunk_size == 1 and len(preamble) > 1000:
+        return  # 70,000 one-byte chunks add nothing to the 5-byte case
+    result, _ = read(body, chunk_size=chunk_size, content_type="multipart/form-data; boundary=B")
+    if len(preamble) > http.MAX_PREAMBLE_BYTES:
+        assert isinstance(result, errors.InvalidParameter) and "no boundary line in its first" in result.message
+    else:
+        assert result == [("c.jpg", b"DATA")], result
