@@ -10,11 +10,17 @@ keeps the client's share of that waste bounded, with three rules:
   the server took: anything but an overload refusal or a transport failure). An attempt
   counts once its outcome is known, so requests still in flight do not look like refusals
   to a burst of concurrent calls. A new attempt is refused locally, raising ``Throttled``, with probability
-  ``max(0, (requests - K * accepts) / (requests + 1))``, K = 2; so in a sustained
-  overload the server receives about K times what it accepts. The throttle starts only
-  once the window holds ``min_requests`` (20) requests: a ratio of three requests says
-  nothing about a backend, and a fresh client that met one refusal must not refuse its
-  own next calls.
+  ``min(max_reject_probability, max(0, (requests - K * accepts) / (requests + 1)))``, K = 2;
+  so in a sustained overload the server receives about K times what it accepts. The throttle
+  starts only once the window holds ``min_requests`` (20) requests: a ratio of three requests
+  says nothing about a backend, and a fresh client that met one refusal must not refuse its
+  own next calls. The odds are capped at ``max_reject_probability`` (0.9) over a window of
+  30 s (Envoy's admission control caps them at 0.8 over 30 s): with the book's two minutes and
+  no cap, a client calling 20 times a second through a 30 s outage refused every call of its
+  own for minutes after the server was back, since its own refusals kept the odds at 0.99 and
+  at that rate too few attempts went out to bring them down (simulated: none of the next 150 s
+  of calls got through; with the cap and window, 45% of them in the third 15 s after, all by
+  the fourth).
 - **Only overload counts as a refusal**: a 429 whose ``cause`` is ``deadline`` (the request's
   own deadline was used up before the server could start on it, ``Overloaded.cause``)
   and every other 4xx are answers about the request, counted as accepts and not retried.
@@ -61,8 +67,8 @@ class BackoffPolicy:
     """Settings of ``Backoff``; every field is validated on construction (``ValueError`` names it).
 
     - ``k``: the SRE throttling multiplier (2: the book's recommended value).
-    - ``window_s``: sliding window of the throttle and the retry budget, seconds (the book keeps
-      two minutes of history).
+    - ``window_s``: sliding window of the throttle and the retry budget, seconds (30: the book keeps
+      two minutes of history, which with the client's own refusals counted recovers too slowly; above).
     - ``max_attempts``: attempts per call, the first included (3).
     - ``retry_budget_ratio``: retries allowed per call in the window (0.1: at most 10% extra load).
     - ``default_deadline_ms``: a call's deadline when the caller gives none: Rampart's
@@ -73,10 +79,12 @@ class BackoffPolicy:
       has no ``Retry-After`` (25 ms doubling, full jitter, capped at 1 s).
     - ``throttle``: turns the local rejection off (the counters still count).
     - ``min_requests``: the throttle refuses nothing while the window holds fewer requests (20).
+    - ``max_reject_probability``: the throttle's odds never exceed this (0.9), so some attempts always go
+      out and the client learns that the service is back.
     """
 
     k: float = 2.0
-    window_s: float = 120.0
+    window_s: float = 30.0
     max_attempts: int = 3
     retry_budget_ratio: float = 0.1
     default_deadline_ms: float = 1000.0
@@ -85,6 +93,7 @@ class BackoffPolicy:
     max_delay_ms: float = 1000.0
     throttle: bool = True
     min_requests: int = 20
+    max_reject_probability: float = 0.9
 
     @classmethod
     def disabled(cls) -> "BackoffPolicy":
@@ -97,6 +106,7 @@ class BackoffPolicy:
             "retry_budget_ratio": self.retry_budget_ratio >= 0, "default_deadline_ms": self.default_deadline_ms > 0,
             "min_remaining_ms": self.min_remaining_ms >= 0, "base_delay_ms": self.base_delay_ms >= 0,
             "max_delay_ms": self.max_delay_ms >= self.base_delay_ms, "min_requests": self.min_requests >= 0,
+            "max_reject_probability": 0.0 <= self.max_reject_probability <= 1.0,
         }
         bad = [f"{name}={getattr(self, name)!r}" for name, ok in checks.items() if not ok]
         if bad:
@@ -151,13 +161,14 @@ class Backoff:
         self._totals.update(counts)
 
     def reject_probability(self) -> float:
-        """``max(0, (requests - K * accepts) / (requests + 1))`` over the window, in 0..1; 0 while the
-        window holds fewer than ``min_requests`` requests."""
+        """``max(0, (requests - K * accepts) / (requests + 1))`` over the window, at most
+        ``max_reject_probability``; 0 while the window holds fewer than ``min_requests`` requests."""
         with self._lock:
             window = self._window.totals(self.clock())
         if window["requests"] < self.policy.min_requests:
             return 0.0
-        return max(0.0, (window["requests"] - self.policy.k * window["accepts"]) / (window["requests"] + 1))
+        odds = max(0.0, (window["requests"] - self.policy.k * window["accepts"]) / (window["requests"] + 1))
+        return min(self.policy.max_reject_probability, odds)
 
     def start(self, deadline_ms: float | None) -> "Call":
         """A new call with ``deadline_ms`` (the policy's default when None), starting now."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,7 @@ import time
 import pytest
 
 from bench.harness import free_port
-from rampart_client import AsyncClient, BackoffPolicy, Client, Overloaded, ServiceError, Throttled
+from rampart_client import AsyncClient, BackoffPolicy, Client, ConnectionFailed, Overloaded, ServiceError, Throttled
 from rampart_client.backoff import Backoff
 from tests.support import ROOT, encode, photo
 from tests.support.shedding import Arrival, SheddingServer
@@ -82,6 +83,47 @@ def test_reject_probability_is_the_sre_formula_over_a_sliding_window():
     assert backoff.reject_probability() == 0.0
     with pytest.raises(ValueError, match="max_attempts=0"):
         BackoffPolicy(max_attempts=0)
+
+
+def calls_through_an_outage(policy: BackoffPolicy, outage_s: float = 30.0, after_s: float = 90.0,
+                            rate_per_s: float = 20.0) -> list[tuple[float, bool]]:
+    """An application calling ``rate_per_s`` times a second through a service that is down for ``outage_s``
+    (every attempt a transport failure) and then answers everything: (seconds after the recovery, whether the
+    call got an answer) for each call after it. A fake clock: no time passes."""
+    now = [0.0]
+    backoff = Backoff(policy, clock=lambda: now[0], rng=random.Random(1))
+    after = []
+    for i in range(int((outage_s + after_s) * rate_per_s)):
+        now[0] = i / rate_per_s
+        call = backoff.start(1000)
+        try:
+            call.begin_attempt()
+        except Throttled:
+            answered = False
+        else:
+            answered = now[0] >= outage_s
+            if answered:
+                call.succeeded()
+            else:
+                call.failed(ConnectionFailed("refused"))
+        if now[0] >= outage_s:
+            after.append((now[0] - outage_s, answered))
+    return after
+
+
+def test_a_client_that_kept_calling_through_an_outage_gets_through_soon_after_the_service_is_back():
+    """Its own refusals count as requests (the SRE rule), so once the odds were high they stayed high: with two
+    minutes of window and no cap, not one call of the next 90 s got through. Capped at 0.9 over 30 s, most
+    calls of the third 15 s after the recovery get through and all of the fourth."""
+    def share(after: list[tuple[float, bool]], start_s: float, end_s: float) -> float:
+        window = [answered for at, answered in after if start_s <= at < end_s]
+        return sum(window) / len(window)
+
+    book = calls_through_an_outage(BackoffPolicy(window_s=120.0, max_reject_probability=1.0))
+    assert share(book, 0, 90) == 0.0
+    default = calls_through_an_outage(BackoffPolicy())
+    assert share(default, 0, 15) > 0.05  # some attempts always go out
+    assert share(default, 45, 60) > 0.9 and share(default, 60, 90) == 1.0
 
 
 def test_sustained_overload_throttles_locally_and_bounds_what_the_server_receives(serve):
