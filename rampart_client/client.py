@@ -49,13 +49,23 @@ DEFAULT_TIMEOUT_S = 30.0
 DEFAULT_MAX_CONNECTIONS = 256
 
 
+#: PIL modes Pillow writes to a PNG as they are; any other (CMYK, YCbCr, LAB, HSV, F, I, ...) is converted to RGB first
+#: (F and I through L: their values are clipped to 0..255).
+PNG_MODES = frozenset({"1", "L", "LA", "P", "RGB", "RGBA", "I;16"})
+
+
 def image_bytes(image: ImageInput) -> bytes:
-    """The encoded bytes of ``image``; a PIL image is encoded losslessly as PNG."""
+    """The encoded bytes of ``image``; a PIL image is encoded losslessly as PNG (in RGB when PNG cannot hold its
+    mode: a CMYK JPEG opened with Pillow). A PNG of a photo is several times its JPEG: for a photo read from a
+    file, pass its path or bytes (a 16 MP phone JPEG of 5 MB makes a PNG of about 27 MB, over the server's
+    20 MB cap: 413)."""
     if isinstance(image, (bytes, bytearray, memoryview)):
         return bytes(image)
     if isinstance(image, (str, os.PathLike)):
         return Path(image).read_bytes()
     if hasattr(image, "save"):
+        if getattr(image, "mode", "RGB") not in PNG_MODES:
+            image = (image.convert("L") if image.mode in ("F", "I") else image).convert("RGB")
         buffer = io.BytesIO()
         image.save(buffer, format="PNG")
         return buffer.getvalue()
@@ -88,14 +98,19 @@ def _retry_after_s(headers: httpx.Headers | dict | None, default: float | None) 
     return seconds if math.isfinite(seconds) and seconds >= 0 else default
 
 
-def error_from_body(status: int | None, body: dict, headers: httpx.Headers | None = None) -> RampartClientError:
+def error_from_body(status: int | None, body: dict | str, headers: httpx.Headers | None = None) -> RampartClientError:
     """The client error for an error body ``{"error": {"code", "message", "request_id"}}`` (a 429's
-    also carries ``cause``: ``Overloaded.cause``)."""
+    also carries ``cause``: ``Overloaded.cause``). A body of another shape (a gateway's or a CDN's page, text or
+    JSON) is mapped on the status alone: 429 ``Overloaded`` and 502/503/504 ``ServiceError``, each with the
+    ``Retry-After`` header's delay, so that the back-off treats a rate limit in front of Rampart as what it is."""
     if isinstance(status, bool) or not isinstance(status, int):
         status = None  # a batch entry's status that is not a number: nothing to map it on
     error = body.get("error") if isinstance(body, dict) else None
     if not isinstance(error, dict):
-        return ServiceError(f"HTTP {status}: {str(body)[:200]}", status=status)
+        message = f"HTTP {status}: {str(body)[:200]}"
+        if status == 429:
+            return Overloaded(message, retry_after=_retry_after_s(headers, 1.0), status=status)
+        return ServiceError(message, retry_after=_retry_after_s(headers, None), status=status)
     fields = {"status": status, "code": str(error.get("code", "")), "request_id": str(error.get("request_id", ""))}
     message = str(error.get("message", ""))
     if status == 429:
@@ -107,10 +122,15 @@ def error_from_body(status: int | None, body: dict, headers: httpx.Headers | Non
 
 
 def _json(response: httpx.Response) -> dict:
+    """The response's JSON body; for an error status whose body is not JSON (a proxy's page), the error
+    ``error_from_body`` maps on the status; ``ServiceError`` for a 200 that is not JSON."""
     try:
         return response.json()
-    except ValueError:
-        raise ServiceError(f"HTTP {response.status_code}: not JSON: {response.text[:200]!r}", status=response.status_code) from None
+    except (ValueError, RecursionError):  # RecursionError: a hostile server's deeply nested JSON
+        text = f"not JSON: {response.text[:200]!r}"
+        if response.status_code != 200:
+            raise error_from_body(response.status_code, text, response.headers) from None
+        raise ServiceError(f"HTTP {response.status_code}: {text}", status=response.status_code) from None
 
 
 def parse_prediction(response: httpx.Response) -> Prediction:
@@ -157,8 +177,9 @@ def _transport_error(exc: Exception) -> ServiceError:
         return ClientTimeout(message)
     aiohttp = sys.modules.get("aiohttp")  # AsyncClient's default transport, imported only where used
     if isinstance(exc, (httpx.NetworkError, httpx.RemoteProtocolError, ConnectionError)) or (
-            aiohttp is not None and isinstance(exc, aiohttp.ClientConnectionError)):
-        return ConnectionFailed(message)
+            aiohttp is not None and isinstance(exc, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
+                                                     aiohttp.ClientResponseError))):
+        return ConnectionFailed(message)  # aiohttp: a body cut short (payload), a garbled status line (response)
     return ServiceError(message)
 
 
@@ -268,7 +289,10 @@ class _AiohttpTransport:
         async with self._session.post(self._url + path, data=data, params={k: str(v) for k, v in params.items()},
                                       headers=headers) as response:
             body = await response.read()
-            return httpx.Response(response.status, headers=list(response.headers.items()), content=body)
+            # aiohttp has inflated a gzipped answer already (a proxy's ``gzip on``): httpx must not inflate it again
+            headers = [(name, value) for name, value in response.headers.items()
+                       if name.lower() not in ("content-encoding", "content-length", "transfer-encoding")]
+            return httpx.Response(response.status, headers=headers, content=body)
 
     async def aclose(self) -> None:
         if self._session is not None:

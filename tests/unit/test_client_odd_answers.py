@@ -65,3 +65,40 @@ def parse_prediction_error(response: httpx.Response) -> Overloaded:
     with pytest.raises(Overloaded) as shed:
         parse_prediction(response)
     return shed.value
+
+
+@pytest.mark.parametrize("status, kind, retry_after", [(429, Overloaded, 2.0), (503, ServiceError, 2.0),
+                                                       (502, ServiceError, 2.0)])
+@pytest.mark.parametrize("page", [b"<html><body><h1>Too Many Requests</h1></body></html>", b'{"error": "slow down"}'])
+def test_a_refusal_from_a_proxy_in_front_of_rampart_maps_on_its_status_and_keeps_retry_after(status, kind, retry_after,
+                                                                                           page):
+    """An ingress's or CDN's rate-limit page (HTML, or JSON of another shape): a 429 was a ``ServiceError`` without
+    its ``Retry-After``, which the back-off counted as an accept and never retried."""
+    response = httpx.Response(status, content=page, headers={"Retry-After": "2"})
+    with pytest.raises(kind) as refused:
+        parse_prediction(response)
+    assert refused.value.status == status and refused.value.retry_after == retry_after
+
+
+def test_deeply_nested_json_from_a_hostile_server_is_a_service_error():
+    with pytest.raises(ServiceError):
+        parse_prediction(httpx.Response(200, content=b"[" * 100_000 + b"]" * 100_000))
+
+
+@pytest.mark.parametrize("mode", ["CMYK", "YCbCr", "LAB", "HSV", "F", "I", "RGB", "RGBA", "P", "L", "1", "LA", "I;16"])
+def test_a_pil_image_of_any_mode_is_sent_as_a_png_that_decodes(mode):
+    """A CMYK JPEG opened with Pillow raised a bare ``OSError: cannot write mode CMYK as PNG``."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from rampart_client.client import image_bytes
+
+    if mode in ("F", "I", "I;16"):
+        image = Image.fromarray(np.full((8, 8), 100, np.uint16))
+        image = image if mode == "I;16" else image.convert(mode)
+    else:
+        image = Image.new("RGB", (8, 8), (10, 200, 30)).convert(mode)
+    sent = Image.open(io.BytesIO(image_bytes(image)))
+    assert sent.format == "PNG" and sent.size == (8, 8)
