@@ -225,6 +225,16 @@ def deserialize_bytes(blob: bytes | memoryview, max_elements: int | None = None)
     return elements
 
 
+#: Bytes of the BMP file header and BITMAPINFOHEADER that Pillow writes before a 24-bit image's rows.
+BMP_HEADER_BYTES = 54
+
+
+def bmp_bytes(width: int, height: int) -> int:
+    """Bytes of the 24-bit BMP ``_pixels_as_bmp`` makes of a ``width`` × ``height`` image: the header and each row
+    of 3 bytes a pixel padded to 4 bytes."""
+    return BMP_HEADER_BYTES + height * ((width * 3 + 3) // 4 * 4)
+
+
 def _pixels_as_bmp(pixels: np.ndarray) -> list[bytes]:
     """Each H×W×3 uint8 image of an N×H×W×3 array as a BMP file (lossless; decoded like any upload)."""
     files = []
@@ -373,6 +383,11 @@ def _pixel_images(tensor: dict, blob: memoryview | None, limits: Limits) -> list
     if shape[1] * shape[2] > limits.max_pixels:
         raise ImageTooLarge(f"input {PIXELS!r}: {shape[2]}x{shape[1]} = {shape[1] * shape[2]} pixels per image; "
                             f"the limit is {limits.max_pixels}")
+    if bmp_bytes(shape[2], shape[1]) > limits.max_image_bytes:  # each image is decoded as any upload, from a BMP
+        raise PayloadTooLarge(f"input {PIXELS!r}: a {shape[2]}x{shape[1]} image is {bmp_bytes(shape[2], shape[1])} "
+                              f"bytes as the BMP it is decoded from; the limit per image is {limits.max_image_bytes} "
+                              f"bytes (about {limits.max_image_bytes / 3e6:.1f} MP of pixels): send a larger image "
+                              f"encoded, as {IMAGE!r}")
     count = math.prod(shape)
     if blob is not None:
         if len(blob) != count:
@@ -463,7 +478,7 @@ def parse_infer_request(body: bytes | bytearray, header_length: str | None, limi
     if offset != len(binary):
         raise InvalidParameter(f"{len(binary) - offset} bytes of binary data are not claimed by any input")
     if not images:
-        raise EmptyBody(f"the {IMAGE!r} tensor has no elements")
+        raise EmptyBody(f"the {header['inputs'][0].get('name')!r} tensor has no elements")
 
     outputs = None
     if header.get("outputs") is not None:

@@ -694,3 +694,23 @@ def test_an_inference_header_content_length_sent_twice_with_different_values_is_
         response.text
     same = [headers[0], headers[1], headers[1]]
     assert rig.client.post("/v2/models/rampart/infer", content=body, headers=same).status_code == 200
+
+
+def test_a_pixels_image_over_the_byte_cap_of_its_bmp_is_refused_on_its_declared_shape_naming_pixels():
+    """PIXELS images are decoded from BMPs held to ``max_body_bytes``: a 2600×2600 image (20.28 MB as BMP) got 413
+    about a byte count the client never sent, after the pixels were converted; now it is refused on its shape."""
+    limit = limits(max_image_bytes=20_000_000)
+    fits = oip.bmp_bytes(2500, 2600)
+    assert fits <= 20_000_000 < oip.bmp_bytes(2600, 2600)
+    header = {"inputs": [{"name": "PIXELS", "datatype": "UINT8", "shape": [1, 2600, 2600, 3],
+                          "parameters": {"binary_data_size": 2600 * 2600 * 3}}]}
+    text = json.dumps(header).encode()
+    with pytest.raises(PayloadTooLarge, match="'PIXELS': a 2600x2600 image is 20280054 bytes as the BMP"):
+        oip.parse_infer_request(text + bytes(2600 * 2600 * 3), str(len(text)), limit)
+    small = encode(photo("chelsea"), "BMP")
+    assert oip.bmp_bytes(451, 300) == len(small)
+
+
+def test_an_empty_pixels_tensor_is_named_as_pixels():
+    with pytest.raises(EmptyBody, match="'PIXELS' tensor has no elements"):
+        oip.parse_infer_request(json.dumps(pixels_json(shape=[0, 1, 1, 3], data=[])).encode(), None, LIMITS)
