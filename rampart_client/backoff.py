@@ -221,7 +221,11 @@ class Backoff:
         """The asyncio twin of ``call_sync``: ``send`` is awaited, the delays are ``asyncio.sleep``."""
         call = self.start(deadline_ms)
         while True:
-            header = call.begin_attempt()
+            try:
+                header = call.begin_attempt()
+            except Throttled:
+                await asyncio.sleep(0)  # a local refusal still yields: a caller retrying at once must not starve its
+                raise                   # own calls in flight of the event loop
             try:
                 result = await send(header)
             except RampartClientError as exc:

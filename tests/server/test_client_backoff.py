@@ -330,3 +330,35 @@ def test_a_429_for_the_request_s_own_deadline_is_not_overload(serve):
         stats = client.backoff_stats()
     assert stats["throttled"] == 0 and stats["retries"] == 0 and stats["reject_probability"] == 0.0, stats
     assert stats["accepts"] == stats["attempts"] == server.count() == BackoffPolicy().min_requests + 10, stats
+
+
+def test_an_async_call_refused_by_the_throttle_yields_to_the_event_loop():
+    """A local refusal raised without an await: an application retrying at once in a loop never let its own calls in
+    flight run (stalls of seconds)."""
+    now = [0.0]
+    backoff = Backoff(BackoffPolicy(min_requests=0, max_reject_probability=1.0), clock=lambda: now[0],
+                      rng=random.Random(0))
+    for _ in range(50):
+        backoff.start(1000).failed(ConnectionFailed("refused"))  # odds near 1: every next attempt is refused
+
+    async def scenario() -> tuple[int, int]:
+        ticks = [0]
+
+        async def ticker() -> None:
+            while True:
+                ticks[0] += 1
+                await asyncio.sleep(0)
+
+        running = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        refused = 0
+        for _ in range(100):
+            try:
+                await backoff.call_async(lambda header: asyncio.sleep(0), 1000)
+            except Throttled:
+                refused += 1
+        running.cancel()
+        return refused, ticks[0]
+
+    refused, ticks = asyncio.run(scenario())
+    assert refused >= 90 and ticks >= refused // 2, (refused, ticks)  # before: a tick only per call let through
