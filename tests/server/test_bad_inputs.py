@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import struct
+import threading
 import time
 
 import httpx
@@ -183,22 +184,36 @@ def test_client_hanging_up_mid_body_is_logged_as_499_not_500(server):
 
 
 def test_the_heap_that_a_burst_of_large_refused_uploads_leaves_goes_back_once_they_stop(server, http):
-    """Twenty concurrent 19 MB uploads that are not images (a JPEG signature, then noise: 400). The API worker's
-    RSS grew by about 750 MB and stayed there while idle: the refused uploads were held in reference cycles
-    until a full collection, and glibc kept the heap they freed. Now the uploads are freed with their requests
-    and the heap is given back (``RAMPART_HELD_BODY_HEAP_TRIM_IDLE_S``, 2 s) once no large body has ended for
-    that long: the growth left is compared with the growth right after the burst, in the same run."""
+    """Concurrent 19 MB uploads that are not images (a JPEG signature, then noise: 400). Twenty of them took the API
+    worker from 106 to 850-960 MiB RSS, kept while idle: the refused uploads were held in reference cycles until a
+    full collection, and glibc kept the heap they freed. Now the uploads are freed with their requests and the heap
+    is given back (``RAMPART_HELD_BODY_HEAP_TRIM_IDLE_S``, 2 s) once no large body has ended for that long. The
+    worker's RSS is sampled during the burst; what is left of its peak growth afterwards is compared with that
+    peak, in the same run: 0-0.08 of it on a fresh server, 0.29-0.60 without the trim (four bursts)."""
     api = psutil.Process(http.get("/stats").json()["api_worker"]["pid"])
     before = api.memory_info().rss
+    peak, sampling = [before], threading.Event()
+
+    def sample() -> None:
+        while not sampling.is_set():
+            peak[0] = max(peak[0], api.memory_info().rss)
+            time.sleep(0.01)
+
     noise = np.random.default_rng(7).integers(0, 256, 19_000_000, dtype=np.uint8).tobytes()
-    bodies = [b"\xff\xd8\xff\xe0" + bytes([n]) + noise for n in range(20)]  # distinct: nothing from the cache
-    responses, _ = concurrent_posts_with_peak_rss_growth(server, bodies, headers={"X-Deadline-Ms": "20000"})
+    bodies = [b"\xff\xd8\xff\xe0" + bytes([n]) + noise for n in range(12)]  # distinct: nothing from the cache
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        responses, _ = concurrent_posts_with_peak_rss_growth(server, bodies, headers={"X-Deadline-Ms": "20000"})
+    finally:
+        sampling.set()
+        sampler.join()
     assert {r.status_code for r in responses} <= {400, 429} and any(r.status_code == 400 for r in responses)
-    after_burst = api.memory_info().rss - before
-    deadline, left = time.monotonic() + 15, after_burst
-    while time.monotonic() < deadline and left > 0.4 * after_burst:
+    grew = peak[0] - before
+    deadline, left = time.monotonic() + 15, api.memory_info().rss - before
+    while time.monotonic() < deadline and left > 0.2 * grew:
         time.sleep(0.5)
         left = api.memory_info().rss - before
-    assert after_burst > 100e6, f"the burst left only {after_burst / 1e6:.0f} MB to give back"
-    assert left <= 0.4 * after_burst, f"{after_burst / 1e6:.0f} MB after the burst, {left / 1e6:.0f} MB left"
+    assert grew > 150e6, f"the burst grew the worker by only {grew / 1e6:.0f} MB"
+    assert left <= 0.2 * grew, f"{grew / 1e6:.0f} MB at the burst's peak, {left / 1e6:.0f} MB left"
     assert http.post("/classify", content=encode(photo("chelsea"))).status_code == 200
