@@ -19,8 +19,8 @@ keeps the client's share of that waste bounded, with three rules:
   no cap, a client calling 20 times a second through a 30 s outage refused every call of its
   own for minutes after the server was back, since its own refusals kept the odds at 0.99 and
   at that rate too few attempts went out to bring them down (simulated: none of the next 150 s
-  of calls got through; with the cap and window, 45% of them in the third 15 s after, all by
-  the fourth).
+  of calls got through; with the cap and window, 45% of them in the third 15 s after, 93% in
+  the fourth, all after).
 - **Only overload counts as a refusal**: a 429 whose ``cause`` is ``deadline`` (the request's
   own deadline was used up before the server could start on it, ``Overloaded.cause``)
   and every other 4xx are answers about the request, counted as accepts and not retried.

@@ -383,8 +383,9 @@ def _pixel_images(tensor: dict, blob: memoryview | None, limits: Limits) -> list
     if shape[1] * shape[2] > limits.max_pixels:
         raise ImageTooLarge(f"input {PIXELS!r}: {shape[2]}x{shape[1]} = {shape[1] * shape[2]} pixels per image; "
                             f"the limit is {limits.max_pixels}")
-    if bmp_bytes(shape[2], shape[1]) > limits.max_image_bytes:  # each image is decoded as any upload, from a BMP
-        raise PayloadTooLarge(f"input {PIXELS!r}: a {shape[2]}x{shape[1]} image is {bmp_bytes(shape[2], shape[1])} "
+    as_bmp = bmp_bytes(shape[2], shape[1])
+    if as_bmp > limits.max_image_bytes:  # each image is decoded as any upload, from a BMP
+        raise PayloadTooLarge(f"input {PIXELS!r}: a {shape[2]}x{shape[1]} image is {as_bmp} "
                               f"bytes as the BMP it is decoded from; the limit per image is {limits.max_image_bytes} "
                               f"bytes (about {limits.max_image_bytes / 3e6:.1f} MP of pixels): send a larger image "
                               f"encoded, as {IMAGE!r}")
@@ -933,11 +934,10 @@ def _bounded(value: Any) -> Any:
 
 
 def _json_part_bytes(body: bytes | bytearray, header_length: str | None) -> int:
-    """Bytes of the JSON part: ``header_length`` when it is a count, else the whole body."""
-    try:
-        return min(int(header_length), len(body)) if header_length is not None else len(body)
-    except ValueError:
-        return len(body)
+    """Bytes of the JSON part: ``header_length`` when it is a count (read as ``_header_split`` reads it), else the
+    whole body (``_header_split`` then refuses the header)."""
+    split = None if header_length is None else http.ascii_decimal(header_length)
+    return len(body) if split is None else min(split, len(body))
 
 
 async def _parse_within(body: bytes | bytearray, header_length: str | None, limits: Limits, deadline: Deadline,
